@@ -1,0 +1,45 @@
+# hfscale — set-up, demo and tests. `make demo` and `make test` do everything on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch goes first and alone: a bare `torch` requirement resolves to a multi-GB CUDA build.
+# On a CUDA-less host without a local CPU wheel, point TORCH_PIP_ARGS at PyTorch's CPU wheel index.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+STAMP := $(VENV)/.hfscale-installed
+
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test test-fast configs clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PIP) install -q -c requirements.lock transformers accelerate peft bitsandbytes datasets torchao
+	# deepspeed builds against the torch already installed (its own build env would pull another)
+	$(PIP) install -q --no-build-isolation -c requirements.lock deepspeed
+	$(PIP) install -q -c requirements.lock -e ".[test]"
+	$(PY) -c "import torch, transformers, accelerate, deepspeed, peft, datasets, torchao, bitsandbytes; print('installed: torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
+	touch $@
+
+demo: install
+	$(VENV)/bin/hfscale demo
+
+test: install
+	$(PY) -m pytest -q -ra
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not engine"
+
+# Regenerate every shipped config from the CLI (the tests fail on drift from this).
+configs: install
+	$(VENV)/bin/hfscale config --all --out-accelerate accelerate_configs --out-deepspeed ds_configs --force
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

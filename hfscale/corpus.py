@@ -1,0 +1,71 @@
+"""The embedded corpus and the data pipeline shared by recipes, proofs and evaluation.
+
+Text: CPython 3.11's documentation prose (PSF License, see hfscale/data/corpus/LICENSE),
+1.57M characters of train and 93K of held-out validation, split by document. Loaded through
+`datasets` like any user's jsonl, so a user's files go through the same code.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from .errors import HfscaleError
+
+BUILTIN_CORPUS = "builtin"
+
+
+def corpus_files() -> dict[str, str]:
+    root = Path(str(resources.files("hfscale") / "data" / "corpus"))
+    return {"train": str(root / "train.jsonl.gz"), "validation": str(root / "validation.jsonl.gz")}
+
+
+def load_text(data: str = BUILTIN_CORPUS, validation: str | None = None):
+    """A `datasets.DatasetDict` with "train" and "validation" splits and a "text" column.
+
+    `data` is "builtin", or a local .txt / .jsonl / .json / .parquet file (optionally with a
+    separate validation file; otherwise 5% of the train rows are held out with a fixed seed).
+    """
+    import datasets
+
+    if data == BUILTIN_CORPUS:
+        files = corpus_files()
+        builder = "json"
+    else:
+        files = {"train": data}
+        if validation:
+            files["validation"] = validation
+        for f in files.values():
+            if not Path(f).is_file():
+                raise HfscaleError(f"data file {f} not found; pass an existing .txt/.jsonl/.parquet file or 'builtin'")
+        suffix = "".join(Path(data).suffixes[-2:]).replace(".gz", "")
+        builder = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(
+            Path(suffix).suffix
+        )
+        if builder is None:
+            raise HfscaleError(f"cannot read {data}: use a .txt, .jsonl, .json or .parquet file")
+    ds = datasets.load_dataset(builder, data_files=files)
+    if "text" not in ds["train"].column_names:
+        raise HfscaleError(f"{data} has no 'text' column (columns: {ds['train'].column_names})")
+    if "validation" not in ds:
+        ds = ds["train"].train_test_split(test_size=0.05, seed=0)
+        ds = datasets.DatasetDict(train=ds["train"], validation=ds["test"])
+    return ds
+
+
+def packed_blocks(tokenizer, texts, seq_len: int):
+    """Tokenise documents (bos ... eos each), concatenate, and cut into rows of `seq_len` tokens.
+
+    Returns an int64 tensor [n_blocks, seq_len]; the tail shorter than a block is dropped.
+    """
+    import torch
+
+    ids: list[int] = []
+    for doc in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        ids.append(tokenizer.bos_token_id)
+        ids.extend(doc)
+        ids.append(tokenizer.eos_token_id)
+    n = len(ids) // seq_len
+    if n == 0:
+        raise HfscaleError(f"the data holds {len(ids)} tokens, fewer than one block of {seq_len}; lower --seq-len")
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)

@@ -1,0 +1,108 @@
+"""Models by name: the built-in tiny Gemma 3, a local transformers directory, or a hub name.
+
+The built-in model needs no network: its config is defined here, its tokenizer ships in
+hfscale/data/tokenizer, and its weights are a seeded random init (train it with the recipes).
+Everything else goes through the same transformers calls with `trust_remote_code` off.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from .errors import HfscaleError
+
+TINY = "tiny-gemma3"
+
+
+def tokenizer_dir() -> Path:
+    return Path(str(resources.files("hfscale") / "data" / "tokenizer"))
+
+
+def tiny_config():
+    """A ~3.2M-parameter Gemma 3 text model that keeps the architecture's features:
+    GQA (4 query / 2 key-value heads), local sliding-window layers mixed with a global one
+    (Gemma's 5:1 pattern, shortened to 3:1), q/k norms, tied embeddings, GeGLU MLP."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=4096,
+        hidden_size=192,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        query_pre_attn_scalar=48,
+        max_position_embeddings=2048,
+        sliding_window=64,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+
+
+BUILTIN = {TINY: tiny_config}
+
+
+def is_builtin(name: str) -> bool:
+    return name in BUILTIN
+
+
+def load_config(name_or_path: str):
+    if name_or_path in BUILTIN:
+        return BUILTIN[name_or_path]()
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise HfscaleError(_not_found(name_or_path, e)) from None
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    source = str(tokenizer_dir()) if name_or_path in BUILTIN else name_or_path
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise HfscaleError(_not_found(name_or_path, e)) from None
+
+
+def build_model(name_or_path: str, seed: int = 0, dtype=None):
+    """A causal LM: random (seeded) for a built-in name, pretrained weights (safetensors) otherwise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if name_or_path in BUILTIN:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(BUILTIN[name_or_path](), dtype=dtype)
+        model.config.name_or_path = name_or_path
+        return model
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, use_safetensors=True, trust_remote_code=False
+        )
+    except (OSError, ValueError) as e:
+        raise HfscaleError(_not_found(name_or_path, e)) from None
+
+
+def _not_found(name: str, err: Exception) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"cannot load model {name!r} ({first[:160]}); give a built-in name ({', '.join(BUILTIN)}), "
+        "a local transformers directory, or a hub name with network access"
+    )
+
+
+def save_pretrained_dir(name_or_path: str, out: str | Path, seed: int = 0) -> Path:
+    """Write the model (safetensors), its config and its tokenizer as a transformers directory."""
+    out = Path(out)
+    model = build_model(name_or_path, seed=seed)
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(name_or_path).save_pretrained(out)
+    return out

@@ -1,0 +1,43 @@
+"""The configs hfscale ships in accelerate_configs/ and ds_configs/: one registry, used by the CLI
+(`hfscale config NAME`), by `make configs`, and by the drift test."""
+
+from __future__ import annotations
+
+from .spec import Launch, ScaleSpec, Zero
+
+GPUS = 8  # a typical node; `--num-processes` overrides at launch
+
+PRESETS: dict[str, ScaleSpec] = {
+    s.name: s
+    for s in [
+        ScaleSpec("ddp", engine="ddp", launch=Launch(num_processes=GPUS)),
+        ScaleSpec("zero1", zero=Zero(stage=1), launch=Launch(num_processes=GPUS)),
+        ScaleSpec("zero2", zero=Zero(stage=2), launch=Launch(num_processes=GPUS)),
+        ScaleSpec("zero2_offload", zero=Zero(stage=2, offload_optimizer="cpu"), launch=Launch(num_processes=GPUS)),
+        ScaleSpec("zero3", zero=Zero(stage=3), launch=Launch(num_processes=GPUS)),
+        ScaleSpec(
+            "zero3_offload",
+            zero=Zero(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+            launch=Launch(num_processes=GPUS),
+        ),
+        ScaleSpec(
+            "zero3_nvme",
+            zero=Zero(stage=3, offload_optimizer="nvme", offload_params="cpu", nvme_path="/local_nvme/hfscale"),
+            launch=Launch(num_processes=GPUS),
+        ),
+        ScaleSpec("fsdp2", engine="fsdp2", launch=Launch(num_processes=GPUS)),
+        ScaleSpec(
+            "multinode_zero3",
+            zero=Zero(stage=3),
+            launch=Launch(num_processes=2 * GPUS, num_machines=2, main_process_ip="10.0.0.1", main_process_port=29500),
+        ),
+    ]
+}
+
+
+def preset(name: str) -> ScaleSpec:
+    from ..errors import ConfigError
+
+    if name not in PRESETS:
+        raise ConfigError(f"unknown config {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]

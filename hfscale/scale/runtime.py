@@ -1,0 +1,96 @@
+"""Using a ScaleSpec (or shipped files) from inside training code: the Accelerator factory,
+the optimizer that matches the DeepSpeed config, and the TrainingArguments keywords."""
+
+from __future__ import annotations
+
+from .deepspeed import to_deepspeed
+from .spec import ScaleSpec, parse_checkpointing
+
+
+def cpu_only_host() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def make_accelerator(**kwargs):
+    """`accelerate.Accelerator(**kwargs)` that really distributes, on GPU and on CPU-only hosts.
+
+    Measured traps on a CPU-only host under `accelerate launch` (torchrun starts N processes):
+      DeepSpeed: torch.distributed has world size N but accelerate says 1 and every rank trains
+                 alone -> fixed by InitProcessGroupKwargs(backend="gloo").
+      DDP:       accelerate picks distributed_type NO, never wraps DDP and never syncs gradients
+                 -> fixed by cpu=True (MULTI_CPU over gloo).
+      FSDP:      accelerate applies FSDP only to GPU-like backends and silently falls back to
+                 unsharded training -> refused here with the alternative.
+    Afterwards it checks that accelerate sees the world the launcher started, so a rank can never
+    quietly train alone.
+    """
+    import os
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+    from ..errors import HfscaleError
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    handlers = list(kwargs.pop("kwargs_handlers", None) or [])
+    if cpu_only_host() and launched > 1:
+        if fsdp:
+            raise HfscaleError(
+                "accelerate does not apply FSDP on a CPU-only host (each rank would train unsharded); "
+                "use a DeepSpeed ZeRO-3 config here (accelerate_configs/zero3.yaml), FSDP2 on GPUs"
+            )
+        if deepspeed:
+            if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+                handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        else:
+            kwargs.setdefault("cpu", True)
+    accelerator = Accelerator(kwargs_handlers=handlers, **kwargs)
+    if accelerator.num_processes != launched or (launched > 1 and accelerator.distributed_type == DistributedType.NO):
+        raise RuntimeError(
+            f"accelerate sees {accelerator.num_processes} process(es) ({accelerator.distributed_type}) but "
+            f"{launched} were launched; each rank would train alone"
+        )
+    return accelerator
+
+
+def make_optimizer(accelerator, model, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8):
+    """AdamW for plain accelerate loops. If the DeepSpeed config declares an optimizer (hfscale does
+    for offload, so DeepSpeed's CPU Adam is used) this returns the `DummyOptim` accelerate needs."""
+    import torch
+    from accelerate.utils import DummyOptim
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and "optimizer" in plugin.deepspeed_config:
+        return DummyOptim(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+
+def training_arguments_kwargs(spec: ScaleSpec) -> dict:
+    """Keyword arguments for `transformers.TrainingArguments` that agree with the spec's DeepSpeed JSON.
+
+    >>> TrainingArguments(output_dir="out", per_device_train_batch_size=4, **training_arguments_kwargs(spec))
+    """
+    mode, every = parse_checkpointing(spec.gradient_checkpointing)
+    kw: dict = {
+        "bf16": spec.precision == "bf16",
+        "fp16": spec.precision == "fp16",
+        "max_grad_norm": float(spec.gradient_clipping),
+        "gradient_checkpointing": mode != "off",
+    }
+    if mode != "off":
+        # non-reentrant checkpointing works with frozen parameters and ZeRO-3 (transformers #47254)
+        kw["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if spec.gradient_accumulation_steps != "auto":
+        kw["gradient_accumulation_steps"] = spec.gradient_accumulation_steps
+    if spec.uses_deepspeed:
+        kw["deepspeed"] = to_deepspeed(spec)
+    if cpu_only_host() or spec.launch.use_cpu:
+        # Trainer on a CPU host: gloo, and use_cpu so it accepts bf16 there
+        kw["use_cpu"] = True
+        kw["ddp_backend"] = "gloo"
+    return kw

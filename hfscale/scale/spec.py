@@ -1,0 +1,191 @@
+"""What a scaled training job is: typed, validated dataclasses. Nothing here knows file formats.
+
+`ScaleSpec` is the single source from which the DeepSpeed JSON (deepspeed.py), the accelerate YAML
+(accelerate.py) and the TrainingArguments keywords (runtime.py) are all derived, so the three can
+never disagree. Every check raises `ConfigError` with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal, Union
+
+from ..errors import ConfigError
+
+Engine = Literal["ddp", "deepspeed", "fsdp2"]
+Device = Literal["none", "cpu", "nvme"]
+Precision = Literal["bf16", "fp16", "fp32"]
+Auto = Literal["auto"]
+
+ENGINES = ("ddp", "deepspeed", "fsdp2")
+DEVICES = ("none", "cpu", "nvme")
+PRECISIONS = ("bf16", "fp16", "fp32")
+RDZV_BACKENDS = ("static", "c10d")
+
+
+def _positive_int(name: str, value, allow_auto: bool = False) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        hint = " or 'auto'" if allow_auto else ""
+        raise ConfigError(f"{name} must be a positive integer{hint} (got {value!r})")
+
+
+def parse_checkpointing(value: str) -> tuple[str, int]:
+    """'off' | 'full' | 'every:K' -> (mode, K). K=1 is the same as full."""
+    if value in ("off", "full"):
+        return value, 1
+    if value.startswith("every:"):
+        k = value.split(":", 1)[1]
+        if k.isdigit() and int(k) >= 1:
+            return "every", int(k)
+    raise ConfigError(f"gradient checkpointing {value!r} not understood; use off, full or every:K (K >= 1)")
+
+
+@dataclass(frozen=True)
+class Aio:
+    """DeepSpeed async-I/O settings for NVMe offload (the `aio` block)."""
+
+    block_size: int = 1_048_576  # 1 MiB requests; DeepSpeed's default
+    queue_depth: int = 8
+    thread_count: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+    def __post_init__(self):
+        for f in ("block_size", "queue_depth", "thread_count"):
+            _positive_int(f"aio.{f}", getattr(self, f))
+
+
+@dataclass(frozen=True)
+class Zero:
+    """ZeRO sharding and offload. Stage 0 is plain data parallelism inside DeepSpeed."""
+
+    stage: int = 2
+    offload_optimizer: Device = "none"
+    offload_params: Device = "none"
+    nvme_path: str | None = None
+    aio: Aio = field(default_factory=Aio)
+    # Without this a ZeRO-3 save writes each rank's shard only: the "610 KB model" (DeepSpeed #3841).
+    gather_16bit_weights_on_model_save: bool = True
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+            raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3 (got {self.stage!r})")
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) not in DEVICES:
+                raise ConfigError(f"{name} must be one of {', '.join(DEVICES)} (got {getattr(self, name)!r})")
+        if self.offload_params != "none" and self.stage != 3:
+            raise ConfigError(
+                f"parameter offload ({self.offload_params}) needs ZeRO stage 3 (got stage {self.stage}); "
+                "use --zero 3 or drop --offload-params"
+            )
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (got 0); use --zero 2 or drop --offload-optimizer")
+        uses_nvme = "nvme" in (self.offload_optimizer, self.offload_params)
+        if uses_nvme and not self.nvme_path:
+            raise ConfigError("NVMe offload needs a directory; pass --nvme-path /local/nvme/dir")
+        if self.nvme_path and not uses_nvme:
+            raise ConfigError("--nvme-path is only used with NVMe offload; add --offload-optimizer nvme or drop it")
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.offload_optimizer, self.offload_params)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where the processes run: accelerate's launcher fields."""
+
+    num_processes: int = 1  # over all machines
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int = 29500
+    rdzv_backend: str = "static"
+    same_network: bool = True
+    use_cpu: bool = False  # force CPU processes even where a GPU is visible
+
+    def __post_init__(self):
+        _positive_int("num_processes", self.num_processes)
+        _positive_int("num_machines", self.num_machines)
+        if isinstance(self.machine_rank, bool) or not isinstance(self.machine_rank, int) or not (
+            0 <= self.machine_rank < self.num_machines
+        ):
+            raise ConfigError(
+                f"machine_rank must be in 0..{self.num_machines - 1} (got {self.machine_rank!r}); "
+                "give each machine its own --machine-rank"
+            )
+        if self.num_processes % self.num_machines:
+            raise ConfigError(
+                f"num_processes {self.num_processes} does not divide over {self.num_machines} machines; "
+                f"use a multiple of {self.num_machines} (processes are counted over all machines)"
+            )
+        if not isinstance(self.main_process_port, int) or not (1 <= self.main_process_port <= 65535):
+            raise ConfigError(f"main_process_port must be 1..65535 (got {self.main_process_port!r})")
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            raise ConfigError(f"rdzv_backend must be one of {', '.join(RDZV_BACKENDS)} (got {self.rdzv_backend!r})")
+        if self.num_machines > 1 and not self.main_process_ip:
+            raise ConfigError("a multi-machine launch needs --main-process-ip (the address of machine rank 0)")
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    """A scaled training setup. `name` is used for file names and the header comment."""
+
+    name: str
+    engine: Engine = "deepspeed"
+    zero: Zero = field(default_factory=Zero)
+    precision: Precision = "bf16"
+    gradient_accumulation_steps: Union[int, Auto] = "auto"
+    gradient_clipping: float = 1.0
+    gradient_checkpointing: str = "off"  # off | full | every:K
+    launch: Launch = field(default_factory=Launch)
+
+    def __post_init__(self):
+        if not self.name or not all(c.isalnum() or c in "_-." for c in self.name):
+            raise ConfigError(f"config name {self.name!r} must be non-empty letters, digits, '-', '_' or '.'")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)} (got {self.engine!r})")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r}); bf16 and fp16 are exclusive")
+        _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps, allow_auto=True)
+        if isinstance(self.gradient_clipping, bool) or not isinstance(self.gradient_clipping, (int, float)) or self.gradient_clipping < 0:
+            raise ConfigError(f"gradient_clipping must be a number >= 0, 0 meaning off (got {self.gradient_clipping!r})")
+        parse_checkpointing(self.gradient_checkpointing)
+        if self.engine != "deepspeed":
+            z = self.zero
+            if z.offload_optimizer != "none" or z.uses_nvme:
+                raise ConfigError(
+                    f"optimizer / NVMe offload needs engine deepspeed (got {self.engine}); use --engine deepspeed"
+                )
+            if self.engine == "ddp" and z.offload_params != "none":
+                raise ConfigError("DDP keeps a full replica per rank and cannot offload; use --engine fsdp2 or deepspeed")
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.engine == "deepspeed"
+
+    def with_launch(self, **kw) -> "ScaleSpec":
+        return replace(self, launch=replace(self.launch, **kw))
+
+
+def check_nvme_path(spec: ScaleSpec) -> None:
+    """Checked where the config is written or run, not in __post_init__, so specs stay pure data."""
+    path = spec.zero.nvme_path
+    if not (spec.uses_deepspeed and spec.zero.uses_nvme and path):
+        return
+    # DeepSpeed creates the swap folder itself, so the path or its nearest existing parent must be
+    # a writable directory.
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise ConfigError(f"NVMe path {path} cannot be created or written here ({probe} is not a writable directory); pass another --nvme-path")
+
+
+def field_names(cls) -> list[str]:
+    return [f.name for f in fields(cls)]
