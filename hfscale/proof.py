@@ -53,17 +53,17 @@ def _zero_holdings(engine, model) -> dict:
         )
     else:
         out.update(param_numel_full=sum(p.numel() for p in params), param_numel_local=sum(p.numel() for p in params))
-    state_numel, state_devices, state_keys = 0, set(), set()
+    per_key: dict[str, int] = {}
+    devices = set()
     for st in base.state.values():
         for k, v in st.items():
             if hasattr(v, "numel") and v.dim() > 0:
-                state_numel += v.numel()
-                state_devices.add(str(v.device))
-                state_keys.add(k)
+                per_key[k] = per_key.get(k, 0) + v.numel()
+                devices.add(str(v.device))
     out.update(
-        optimizer_state_numel_local=state_numel,
-        optimizer_state_devices=sorted(state_devices),
-        optimizer_state_keys=sorted(state_keys),
+        optimizer_state_numel_local=sum(per_key.values()),
+        optimizer_state_numel_by_key=per_key,
+        optimizer_state_devices=sorted(devices),
     )
     return out
 
@@ -77,11 +77,12 @@ def _fsdp_holdings(model) -> dict:
     return {"param_numel_full": full, "param_numel_local": local, "dtensor_params": sum(isinstance(p, DTensor) for p in params)}
 
 
-def _nvme_files(path: str | None) -> dict:
+def _nvme_files(path: str | None, rank: int) -> dict:
+    """This rank's swap files under the NVMe path ({path}/zero_stage_3/optimizer/rank{R}/*.swp)."""
     if not path or not os.path.isdir(path):
         return {}
-    files = [f for f in Path(path).rglob("*") if f.is_file()]
-    return {"nvme_files": len(files), "nvme_bytes": sum(f.stat().st_size for f in files)}
+    files = {str(f.relative_to(path)): f.stat().st_size for f in Path(path).rglob(f"rank{rank}/*") if f.is_file()}
+    return {"nvme_files": files, "nvme_bytes": sum(files.values())}
 
 
 def run(args) -> dict:
@@ -156,18 +157,27 @@ def run(args) -> dict:
             losses.append(float(step_loss))
             acc_loss.zero_()
     report["sample_indices"] = seen
+    report["dataset_size"] = len(blocks)
     report["losses"] = losses
 
     # --- what this rank holds ---
     if engine is not None:
         report.update(_zero_holdings(engine, model))
         zc = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        report.update(_nvme_files(zc.get("offload_optimizer", {}).get("nvme_path")))
+        report.update(_nvme_files(zc.get("offload_optimizer", {}).get("nvme_path"), report["torch_rank"]))
     elif report["distributed_type"] == "FSDP":
         report.update(_fsdp_holdings(model))
-    else:
+    else:  # DDP: a full replica and a full optimizer state on every rank
         params = list(accelerator.unwrap_model(model).parameters())
         report.update(param_numel_full=sum(p.numel() for p in params), param_numel_local=sum(p.numel() for p in params))
+        base = getattr(optimizer, "optimizer", optimizer)
+        per_key: dict[str, int] = {}
+        for st in base.state.values():
+            for k, v in st.items():
+                if v.dim() > 0:
+                    per_key[k] = per_key.get(k, 0) + v.numel()
+        report.update(optimizer_state_numel_local=sum(per_key.values()), optimizer_state_numel_by_key=per_key,
+                      base_optimizer_class=type(base).__name__)
 
     # --- a consolidated state dict must be the whole model (ZeRO-3: the 16-bit gather on save) ---
     state = accelerator.get_state_dict(model)
@@ -191,3 +201,91 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- launching and reading proofs (used by `hfscale prove`, the demo and the tests) ---------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str] | None = None,
+           num_machines: int = 1, timeout: float = 900, log: str | Path | None = None) -> list[dict]:
+    """Run the proof under `accelerate launch --config_file config` and return the rank reports.
+
+    num_machines > 1 starts one launcher per machine rank on this host (127.0.0.1), the way a
+    multi-node job runs, with num_processes counted over all machines.
+    """
+    import subprocess
+
+    from .errors import HfscaleError
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("rank*.json"):
+        old.unlink()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // num_processes)))
+    port = str(free_port())
+    base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+            "--num_processes", str(num_processes), "--main_process_port", port]
+    script = ["-m", "hfscale.proof", "--out", str(out), *(extra or [])]
+    if num_machines == 1:
+        cmds = [base + ["--num_machines", "1", "--machine_rank", "0", *script]]
+    else:
+        cmds = [base + ["--num_machines", str(num_machines), "--machine_rank", str(r),
+                        "--main_process_ip", "127.0.0.1", *script] for r in range(num_machines)]
+    log_path = Path(log) if log else out / "launch.log"
+    with open(log_path, "w") as logf:
+        procs = [subprocess.Popen(c, env=env, stdout=logf, stderr=subprocess.STDOUT) for c in cmds]
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    if any(codes):
+        tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if "Error" in ln or "error:" in ln]
+        raise HfscaleError(f"accelerate launch exited {codes} for {config}: {(tail or ['see ' + str(log_path)])[-1].strip()[:300]}")
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
+    if len(reports) != num_processes:
+        raise HfscaleError(f"expected {num_processes} rank reports in {out}, found {len(reports)}")
+    return reports
+
+
+def summarize(name: str, reports: list[dict], reference: list[dict] | None = None) -> dict:
+    """The facts a proof establishes, as one flat row (what `hfscale prove` and the demo print)."""
+    r0 = reports[0]
+    all_idx = [i for r in reports for i in r["sample_indices"]]
+    row = {
+        "config": name,
+        "engine": r0["distributed_type"],
+        "world (accelerate/torch/engine)": "/".join(
+            str(r0.get(k, "-")) for k in ("accelerate_num_processes", "torch_world_size", "deepspeed_world_size")
+        ),
+        "ranks distinct": len({r["torch_rank"] for r in reports}) == len(reports),
+        "data split (disjoint, complete)": sorted(all_idx) == list(range(r0["dataset_size"])),
+        "params/rank": f"{r0['param_numel_local']:,}/{r0['param_numel_full']:,}",
+        "optim state/rank": f"{r0.get('optimizer_state_numel_local', 0):,}" + (f" on {','.join(r0['optimizer_state_devices'])}" if r0.get("optimizer_state_devices") else ""),
+        "optimizer": r0.get("base_optimizer_class", "AdamW (DDP)"),
+        "final loss": round(r0["losses"][-1], 4),
+    }
+    if reference:
+        diffs = [abs(a - b) for a, b in zip(r0["losses"], reference[0]["losses"])]
+        row["max |Δloss| vs 1 process"] = f"{max(diffs):.2e}"
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    widths = {k: max(len(k), *(len(str(r.get(k, ""))) for r in rows)) for k in keys}
+    print("  ".join(k.ljust(widths[k]) for k in keys))
+    for r in rows:
+        print("  ".join(str(r.get(k, "")).ljust(widths[k]) for k in keys))

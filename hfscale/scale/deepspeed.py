@@ -77,7 +77,7 @@ def to_deepspeed(spec: ScaleSpec) -> dict:
         config["aio"] = {
             "block_size": a.block_size,
             "queue_depth": a.queue_depth,
-            "thread_count": a.thread_count,
+            "intra_op_parallelism": a.intra_op_parallelism,
             "single_submit": a.single_submit,
             "overlap_events": a.overlap_events,
         }

@@ -90,7 +90,11 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
     if spec.uses_deepspeed:
         kw["deepspeed"] = to_deepspeed(spec)
     if cpu_only_host() or spec.launch.use_cpu:
-        # Trainer on a CPU host: gloo, and use_cpu so it accepts bf16 there
+        # Trainer on a CPU host: use_cpu so it accepts bf16 there, and gloo when launched distributed
+        # (outside a launch, a ddp_backend makes TrainingArguments try to join a process group)
+        import os
+
         kw["use_cpu"] = True
-        kw["ddp_backend"] = "gloo"
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            kw["ddp_backend"] = "gloo"
     return kw

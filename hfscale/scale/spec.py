@@ -49,12 +49,12 @@ class Aio:
 
     block_size: int = 1_048_576  # 1 MiB requests; DeepSpeed's default
     queue_depth: int = 8
-    thread_count: int = 1
+    intra_op_parallelism: int = 1  # DeepSpeed >= 0.15 name (formerly thread_count)
     single_submit: bool = False
     overlap_events: bool = True
 
     def __post_init__(self):
-        for f in ("block_size", "queue_depth", "thread_count"):
+        for f in ("block_size", "queue_depth", "intra_op_parallelism"):
             _positive_int(f"aio.{f}", getattr(self, f))
 
 

@@ -1,0 +1,50 @@
+"""`hfscale` command line: one module per subcommand, each with `add_parser` and `run`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import HfscaleError
+
+SUBCOMMANDS = ("config", "prove", "tiny", "demo")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = OneLineParser(
+        prog="hfscale",
+        description="Scale configs, proofs on the real engine, and more for Hugging Face models.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  hfscale config zero3 --num-processes 16 --out-accelerate my_cfgs --out-deepspeed my_cfgs\n"
+        "  hfscale prove --config accelerate_configs/zero3.yaml --num-processes 2\n  hfscale demo",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f".{name}_cmd", __name__).add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except HfscaleError as e:
+        print(f"hfscale {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hfscale: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""`hfscale config`: write accelerate YAML + DeepSpeed JSON from a preset, a spec file, or flags."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from ..errors import ConfigError
+from ..scale.load import load_spec
+from ..scale.presets import PRESETS
+from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, Launch, ScaleSpec, Zero
+
+EXAMPLES = """examples:
+  hfscale config zero3                                   # accelerate_configs/zero3.yaml + ds_configs/zero3.json
+  hfscale config zero2 --name zero2_16 --num-processes 16 --grad-accum 4
+  hfscale config zero3 --name z3_nvme --offload-optimizer nvme --offload-params cpu --nvme-path /local_nvme
+  hfscale config multinode_zero3 --num-machines 4 --num-processes 32 --main-process-ip 10.1.0.7
+  hfscale config --spec my_setup.yaml --out-accelerate cfg --out-deepspeed cfg
+  hfscale config --all --force                           # regenerate every shipped file
+"""
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "config",
+        help="write accelerate YAML and DeepSpeed JSON",
+        description="Write an accelerate config (YAML) and its DeepSpeed config (JSON) from a preset, "
+        "a spec file, or flags. Presets: " + ", ".join(PRESETS),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("preset", nargs="?", choices=list(PRESETS), help="start from this preset")
+    p.add_argument("--all", action="store_true", help="write every preset")
+    p.add_argument("--spec", help="a YAML/JSON ScaleSpec file (keys: name, engine, zero, precision, launch, ...)")
+    p.add_argument("--name", help="file name stem of the written config (default: the preset's)")
+    p.add_argument("--engine", choices=ENGINES)
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (DeepSpeed)")
+    p.add_argument("--offload-optimizer", choices=DEVICES)
+    p.add_argument("--offload-params", choices=DEVICES)
+    p.add_argument("--nvme-path", help="directory for NVMe offload swap files")
+    p.add_argument("--precision", choices=PRECISIONS)
+    p.add_argument("--grad-accum", type=int, help="gradient accumulation steps (default: auto)")
+    p.add_argument("--clip", type=float, help="gradient clipping norm, 0 = off")
+    p.add_argument("--checkpointing", help="off | full | every:K")
+    p.add_argument("--num-processes", type=int, help="processes over all machines")
+    p.add_argument("--num-machines", type=int)
+    p.add_argument("--machine-rank", type=int)
+    p.add_argument("--main-process-ip")
+    p.add_argument("--main-process-port", type=int)
+    p.add_argument("--rdzv-backend", choices=RDZV_BACKENDS)
+    p.add_argument("--out-accelerate", default="accelerate_configs", help="directory for the YAML (default: %(default)s)")
+    p.add_argument("--out-deepspeed", default="ds_configs", help="directory for the JSON (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="overwrite existing files")
+    p.add_argument("--print", action="store_true", help="print the files instead of writing them")
+    p.set_defaults(run=run)
+
+
+ZERO_FLAGS = {"zero": "stage", "offload_optimizer": "offload_optimizer", "offload_params": "offload_params", "nvme_path": "nvme_path"}
+LAUNCH_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
+TOP_FLAGS = {"engine": "engine", "precision": "precision", "grad_accum": "gradient_accumulation_steps", "clip": "gradient_clipping", "checkpointing": "gradient_checkpointing", "name": "name"}
+
+
+def spec_from_args(args) -> ScaleSpec:
+    """Preset or spec file, then each flag that was given replaces one field (validated again)."""
+    if args.spec:
+        base = load_spec(args.spec)
+    elif args.preset:
+        base = PRESETS[args.preset]
+    else:
+        base = ScaleSpec(args.name or "custom")
+    zero = {f: getattr(args, a) for a, f in ZERO_FLAGS.items() if getattr(args, a) is not None}
+    launch = {a: getattr(args, a) for a in LAUNCH_FLAGS if getattr(args, a) is not None}
+    top = {f: getattr(args, a) for a, f in TOP_FLAGS.items() if getattr(args, a) is not None}
+    if args.num_machines is not None and args.num_machines == 1 and "main_process_ip" not in launch:
+        launch["main_process_ip"] = None
+    # dataclasses.replace re-runs __post_init__, so every combination is validated
+    z = replace(base.zero, **zero) if zero else base.zero
+    lch = replace(base.launch, **launch) if launch else base.launch
+    return replace(base, zero=z, launch=lch, **top)
+
+
+def run(args) -> int:
+    from ..scale.files import render_config_set, write_config_sets
+
+    if args.all and (args.preset or args.spec):
+        raise ConfigError("--all writes every preset; drop the preset name / --spec, or drop --all")
+    if args.all:
+        specs = list(PRESETS.values())
+    else:
+        if not (args.preset or args.spec or args.engine or args.zero is not None):
+            raise ConfigError(f"name a preset ({', '.join(PRESETS)}), --spec FILE, or --all")
+        specs = [spec_from_args(args)]
+    if args.print:
+        for spec in specs:
+            for path, text in render_config_set(spec, args.out_accelerate, args.out_deepspeed).items():
+                print(f"--- {path}\n{text}")
+        return 0
+    # shipped presets name example paths (e.g. /local_nvme) that need not exist on this host
+    written = write_config_sets(specs, args.out_accelerate, args.out_deepspeed, force=args.force, check_paths=not args.all)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
