@@ -38,10 +38,8 @@ def load_text(data: str = BUILTIN_CORPUS, validation: str | None = None):
         for f in files.values():
             if not Path(f).is_file():
                 raise HfscaleError(f"data file {f} not found; pass an existing .txt/.jsonl/.parquet file or 'builtin'")
-        suffix = "".join(Path(data).suffixes[-2:]).replace(".gz", "")
-        builder = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(
-            Path(suffix).suffix
-        )
+        name = Path(data).name.removesuffix(".gz")
+        builder = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(Path(name).suffix)
         if builder is None:
             raise HfscaleError(f"cannot read {data}: use a .txt, .jsonl, .json or .parquet file")
     ds = datasets.load_dataset(builder, data_files=files)

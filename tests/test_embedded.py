@@ -1,0 +1,101 @@
+"""The embedded default: tiny Gemma 3, its tokenizer and the corpus, all offline."""
+
+import os
+
+import pytest
+import torch
+
+
+def test_tokenizer_round_trips_and_uses_gemma_ids():
+    from hfscale.models import load_tokenizer
+
+    tok = load_tokenizer("tiny-gemma3")
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert len(tok) == 4096
+    text = "The assert statement — naïve café 😀 x**2 != y\n\tindented"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tok.unk_token_id not in ids  # byte fallback: nothing is unknown
+    assert tok.decode(ids) == text
+    # it compresses real prose (a learned vocabulary, not bytes)
+    prose = "Assert statements are a convenient way to insert debugging assertions into a program."
+    assert len(tok(prose, add_special_tokens=False).input_ids) < len(prose) / 3
+
+
+def test_corpus_is_real_text_with_a_disjoint_held_out_split():
+    from hfscale.corpus import load_text
+
+    ds = load_text()
+    train, val = ds["train"], ds["validation"]
+    assert len(train) == 2152 and len(val) == 111
+    assert sum(len(t) for t in train["text"]) > 1_500_000
+    assert not set(train["text"]) & set(val["text"])
+    words = " ".join(val["text"]).split()
+    common = {"the", "a", "is", "of", "to", "and"}
+    assert sum(w.lower() in common for w in words) / len(words) > 0.08  # English prose, not random tokens
+
+
+def test_user_text_file_goes_through_the_same_path(tmp_path):
+    from hfscale.corpus import load_text
+
+    f = tmp_path / "my.txt"
+    f.write_text("\n".join(f"line {i} of my own text" for i in range(100)))
+    ds = load_text(str(f))
+    assert len(ds["train"]) + len(ds["validation"]) == 100 and len(ds["validation"]) == 5
+
+
+def test_packed_blocks_shape_and_boundaries():
+    from hfscale.corpus import packed_blocks
+    from hfscale.models import load_tokenizer
+
+    tok = load_tokenizer("tiny-gemma3")
+    b = packed_blocks(tok, ["one two three", "four five"], 4)
+    assert b.dtype == torch.long and b.shape[1] == 4
+    flat = b.flatten().tolist()
+    assert flat[0] == tok.bos_token_id and tok.eos_token_id in flat
+
+
+def test_tiny_model_is_gemma3_with_its_features():
+    from hfscale.models import build_model
+
+    m = build_model("tiny-gemma3")
+    c = m.config
+    assert c.model_type == "gemma3_text" and type(m).__name__ == "Gemma3ForCausalLM"
+    n = sum(p.numel() for p in m.parameters())
+    assert 2_000_000 < n < 5_000_000 and n == 3_001_920
+    assert c.num_key_value_heads < c.num_attention_heads  # GQA
+    assert set(c.layer_types) == {"sliding_attention", "full_attention"}
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()  # tied
+    # seeded: the same weights every time
+    m2 = build_model("tiny-gemma3")
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
+def test_tiny_saves_in_transformers_format_and_reloads_offline(tmp_path, cli):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfscale.models import build_model
+
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    out = tmp_path / "tiny"
+    r = cli("tiny", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert cli("tiny", "--out", out).returncode == 2  # no overwrite without --force
+    m = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("The yield statement", return_tensors="pt").input_ids
+    ref = build_model("tiny-gemma3")
+    with torch.no_grad():
+        assert torch.allclose(m(ids).logits, ref(ids).logits, atol=1e-5)
+    # a local path goes through the same loaders as a built-in name
+    from hfscale.models import build_model as bm
+
+    assert sum(p.numel() for p in bm(str(out)).parameters()) == 3_001_920
+
+
+def test_unknown_model_is_a_clear_error():
+    from hfscale.errors import HfscaleError
+    from hfscale.models import load_config
+
+    with pytest.raises(HfscaleError, match="built-in name"):
+        load_config("/no/such/model")

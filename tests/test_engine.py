@@ -1,0 +1,181 @@
+"""Each shipped config that can run on CPU, proven on the real engine: `accelerate launch` with 2
+processes (DeepSpeed over gloo), asserting from inside the ranks what each one saw and held.
+
+Loss tolerance vs the 1-process run with the same global batch (8 sequences/step: 2 micro x 2 accum
+x 2 ranks against 2 micro x 4 accum x 1 rank): LOSS_TOL = 2e-3 absolute at loss ~8. Both runs see the
+same samples in the same micro batches; they differ only in the order gradients are summed, which
+moves fp32 master weights by ~1e-7 relative and flips an occasional bf16 weight by one ULP. Observed:
+0 (DDP) to 1.7e-4 (ZeRO-2/3) after 4 steps. A setup whose ranks train alone (the CPU trap) averages
+two different trajectories and misses the reference by 1e-2..4e-1, which this tolerance catches.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hfscale.errors import HfscaleError
+from hfscale.proof import free_port, launch
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_TOL = 2e-3
+GLOBAL_BATCH, MICRO, STEPS = 8, 2, 4
+
+
+@pytest.fixture(scope="module")
+def model_numel():
+    from hfscale.models import build_model
+
+    m = build_model("tiny-gemma3")
+    return sum(p.numel() for p in m.parameters()), sum(v.numel() for v in m.state_dict().values())
+
+
+@pytest.fixture(scope="module")
+def nvme_config(tmp_path_factory, cli_module):
+    """The shipped zero3_nvme preset with its NVMe directory pointed at a local temp dir."""
+    d = tmp_path_factory.mktemp("nvme")
+    r = cli_module("config", "zero3_nvme", "--nvme-path", d / "swap", "--out-accelerate", d, "--out-deepspeed", d)
+    assert r.returncode == 0, r.stderr
+    return d / "zero3_nvme.yaml", d / "swap"
+
+
+@pytest.fixture(scope="module")
+def cli_module():
+    from conftest import run_cli
+
+    return run_cli
+
+
+def _config_path(name, nvme_config):
+    return nvme_config[0] if name == "zero3_nvme" else ROOT / "accelerate_configs" / f"{name}.yaml"
+
+
+def _common_asserts(reports, ref):
+    assert len(reports) == 2
+    for r in reports:
+        assert r["accelerate_num_processes"] == 2, "accelerate must see both ranks (the CPU trap)"
+        assert r["torch_world_size"] == 2 and r["backend"] == "gloo"
+        assert r["accelerate_process_index"] == r["torch_rank"]
+    assert sorted(r["torch_rank"] for r in reports) == [0, 1]
+    # each rank trained on its own half of the data, together all of it, nothing twice
+    a, b = (set(r["sample_indices"]) for r in reports)
+    n = reports[0]["dataset_size"]
+    assert n == STEPS * GLOBAL_BATCH and len(a) == len(b) == n // 2 and not (a & b) and a | b == set(range(n))
+    assert ref[0]["sample_indices"] == list(range(n))
+    # the loss is the same global-batch mean on both ranks, it falls, and matches the 1-process run
+    assert reports[0]["losses"] == reports[1]["losses"]
+    losses, ref_losses = reports[0]["losses"], ref[0]["losses"]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.2
+    diff = max(abs(x - y) for x, y in zip(losses, ref_losses))
+    assert diff < LOSS_TOL, f"2-process loss {losses} vs 1-process {ref_losses}: max |Δ| {diff:.2e}"
+
+
+def _deepspeed_asserts(reports, ref):
+    for r in reports:
+        assert r["distributed_type"] == "DEEPSPEED"
+        assert r["deepspeed_world_size"] == r["deepspeed_dp_world_size"] == 2
+        assert (r["deepspeed_train_batch_size"], r["deepspeed_micro_batch"], r["deepspeed_grad_accum"]) == (8, 2, 2)
+        assert r["deepspeed_bf16"] is True
+    assert ref[0]["deepspeed_world_size"] == 1 and ref[0]["deepspeed_grad_accum"] == 4
+    assert sorted(r["deepspeed_rank"] for r in reports) == [0, 1]
+
+
+CPU_CONFIGS = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_nvme"]
+
+
+@pytest.mark.parametrize("name", CPU_CONFIGS)
+def test_shipped_config_distributes_for_real(name, tmp_path, nvme_config, model_numel):
+    full, state_full = model_numel
+    cfg = _config_path(name, nvme_config)
+    reports = launch(str(cfg), tmp_path / "ranks", 2)
+    ref = launch(str(cfg), tmp_path / "ref", 1)
+    _common_asserts(reports, ref)
+    r0 = reports[0]
+    assert r0["param_numel_full"] == full
+    if name == "ddp":
+        for r in reports:  # a full replica and a full Adam state on each rank
+            assert r["distributed_type"] == "MULTI_CPU"
+            assert r["param_numel_local"] == full
+            assert r["optimizer_state_numel_by_key"] == {"exp_avg": full, "exp_avg_sq": full}
+        return
+    _deepspeed_asserts(reports, ref)
+    stage = int(name[4])
+    nvme = name == "zero3_nvme"
+    if not nvme:
+        assert ref[0]["optimizer_state_numel_by_key"]["exp_avg"] == full  # alone, a rank holds all of it
+    for r in reports:
+        assert r["zero_stage"] == stage
+        per_moment = r["optimizer_state_numel_by_key"]["exp_avg"]
+        assert per_moment == r["optimizer_state_numel_by_key"]["exp_avg_sq"]
+        if nvme:  # between steps the Adam moments are swapped out: nothing of them stays in memory
+            assert per_moment == 0
+        else:  # half of the optimizer state (DeepSpeed may pad the flat partition by a few elements)
+            assert full / 2 <= per_moment <= full / 2 + 64, (per_moment, full)
+        if stage == 3:
+            # every parameter tensor is cut in half (padded to ceil(numel / 2))
+            assert r["params_partitioned_evenly"] == r["params_total"] == 54
+            assert full / 2 <= r["param_numel_local"] <= full / 2 + r["params_total"]
+        else:
+            assert r["param_numel_local"] == full  # stage 1/2 keep whole parameters
+        if "offload" in name or "nvme" in name:
+            assert r["base_optimizer_class"] == "DeepSpeedCPUAdam"
+            assert r["optimizer_state_devices"] == ["cpu"]
+        else:
+            assert r["base_optimizer_class"] == "AdamW"
+        if name == "zero3_nvme":
+            files = r["nvme_files"]
+            rank = r["torch_rank"]
+            moments = {k: v for k, v in files.items() if f"/rank{rank}/exp_avg" in k}
+            assert len(moments) == 2, files  # exp_avg and exp_avg_sq swapped to this rank's NVMe dir
+            for size in moments.values():  # fp32, this rank's half
+                assert 4 * full / 2 <= size <= 4 * (full / 2 + 4096), (size, full)
+    if stage == 3:
+        # the consolidated (16-bit gathered) state dict is the whole model, not a shard
+        assert r0["state_dict_numel"] == state_full
+
+
+def test_multinode_config_two_machines_on_one_host(tmp_path, model_numel):
+    """The shipped multinode_zero3 config, as 2 machines x 1 process: two launchers, machine ranks 0/1."""
+    cfg = ROOT / "accelerate_configs" / "multinode_zero3.yaml"
+    reports = launch(str(cfg), tmp_path / "ranks", 2, num_machines=2)
+    assert sorted(r["torch_rank"] for r in reports) == [0, 1]
+    full, state_full = model_numel
+    for r in reports:
+        assert r["accelerate_num_processes"] == r["torch_world_size"] == r["deepspeed_world_size"] == 2
+        assert r["zero_stage"] == 3 and r["params_partitioned_evenly"] == 54
+        assert full / 2 <= r["param_numel_local"] <= full / 2 + 54
+    a, b = (set(r["sample_indices"]) for r in reports)
+    assert not (a & b) and len(a | b) == reports[0]["dataset_size"]
+    assert reports[0]["state_dict_numel"] == state_full
+
+
+def test_fsdp2_on_a_cpu_host_is_refused_not_silently_unsharded(tmp_path):
+    """accelerate applies FSDP only on GPU backends; on CPU it would train unsharded. We refuse, loudly."""
+    with pytest.raises(HfscaleError):
+        launch(str(ROOT / "accelerate_configs" / "fsdp2.yaml"), tmp_path / "ranks", 2)
+    log = (tmp_path / "ranks" / "launch.log").read_text()
+    assert "does not apply FSDP on a CPU-only host" in log and "zero3.yaml" in log
+    assert not list((tmp_path / "ranks").glob("rank*.json"))
+
+
+def test_trainer_accepts_shipped_deepspeed_config_on_two_processes(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml"),
+           "--num_processes", "2", "--main_process_port", str(free_port()),
+           str(ROOT / "tests" / "scripts" / "trainer_probe.py"), str(tmp_path), str(ROOT / "ds_configs" / "zero2.json")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"trainer_rank{r}.json").read_text()) for r in (0, 1)]
+    for r in reports:
+        assert r["args_world_size"] == r["accelerate_num_processes"] == r["engine_world_size"] == 2
+        assert r["zero_stage"] == 2 and r["bf16"] is True
+        # the "auto" values, filled by Trainer: 2 micro x 2 accum x 2 ranks; h² bucket
+        assert (r["train_batch_size"], r["micro"], r["gradient_accumulation_steps"]) == (8, 2, 2)
+        assert r["reduce_bucket_size"] == 192 * 192
+        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
+    assert sorted(r["rank"] for r in reports) == [0, 1]
