@@ -18,6 +18,10 @@ export TOKENIZERS_PARALLELISM ?= false
 install: $(STAMP)
 
 $(STAMP): pyproject.toml requirements.lock
+	@# libaio headers for DeepSpeed's async_io op (NVMe offload); installed with apt where we may
+	@test -f /usr/include/libaio.h || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; } ; } || \
+	  echo "warning: libaio-dev missing and not installable here: NVMe offload will not run"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
