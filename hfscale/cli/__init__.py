@@ -7,7 +7,7 @@ import sys
 
 from ..errors import HfscaleError
 
-SUBCOMMANDS = ("config", "prove", "tiny", "demo")
+SUBCOMMANDS = ("config", "prove", "doctor", "tiny", "demo")
 
 
 class OneLineParser(argparse.ArgumentParser):

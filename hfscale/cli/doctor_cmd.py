@@ -1,0 +1,52 @@
+"""`hfscale doctor`: pre-flight checks. Exit 0 clean (warnings allowed), 1 on an error finding, 2 on unreadable input."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "doctor",
+        help="check accelerate / DeepSpeed / TrainingArguments / model for mistakes before launching",
+        description="Static pre-flight checks across the files of a training job, in one pass.",
+        epilog="examples:\n  hfscale doctor --accelerate accelerate_configs/zero3.yaml\n"
+        "  hfscale doctor --accelerate a.yaml --deepspeed d.json --args recipe.yaml --model gemma3_config.json --json\n"
+        "  hfscale doctor --deepspeed d.json --num-processes 16 --num-machines 2 --gpus-per-machine 8",
+    )
+    p.add_argument("--accelerate", help="accelerate YAML (its deepspeed_config_file is followed)")
+    p.add_argument("--deepspeed", help="DeepSpeed JSON")
+    p.add_argument("--args", help="TrainingArguments / recipe YAML or JSON")
+    p.add_argument("--model", help="config.json path, model directory, built-in name or hub name")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--num-machines", type=int)
+    p.add_argument("--gpus-per-machine", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..doctor import check, render_table
+    from ..errors import HfscaleError
+
+    if not any((args.accelerate, args.deepspeed, args.args, args.model)):
+        raise HfscaleError("give at least one of --accelerate, --deepspeed, --args, --model")
+    # libraries imported by the checks (DeepSpeed) log to stdout; keep stdout for the report alone
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        findings = check(args.accelerate, args.deepspeed, args.args, args.model, args.num_processes, args.num_machines,
+                         args.gpus_per_machine)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    if args.json:
+        print(json.dumps([f.to_dict() for f in findings], indent=1))
+    else:
+        print(render_table(findings))
+    return 1 if any(f.severity == "error" for f in findings) else 0

@@ -1,0 +1,27 @@
+"""`hfscale doctor`: static pre-flight checks across accelerate YAML, DeepSpeed JSON, training
+arguments, the model and the launch shape, in one pass, before a job burns cluster time.
+
+    from hfscale.doctor import check
+    findings = check(accelerate="accelerate_configs/zero3.yaml", args="recipe.yaml", model="gemma-3-4b")
+"""
+
+from __future__ import annotations
+
+from .checks import CHECKS
+from .findings import Finding, render_table
+from .inputs import Setup, load_setup
+
+__all__ = ["Finding", "check", "check_setup", "render_table"]
+
+
+def check_setup(setup: Setup) -> list[Finding]:
+    findings: list[Finding] = []
+    for fn in CHECKS:
+        findings.extend(fn(setup))
+    return sorted(findings, key=lambda f: (f.severity != "error", f.where))
+
+
+def check(accelerate=None, deepspeed=None, args=None, model=None, num_processes=None, num_machines=None,
+          gpus_per_machine=None) -> list[Finding]:
+    """Read the given files (HfscaleError if one cannot be read) and return every finding."""
+    return check_setup(load_setup(accelerate, deepspeed, args, model, num_processes, num_machines, gpus_per_machine))

@@ -1,0 +1,98 @@
+"""Reading doctor's inputs. A file that cannot be read or parsed is a HfscaleError (exit 2);
+everything that parses is handed to the checks as plain data, however wrong it is."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..errors import HfscaleError
+
+
+def read_mapping(path: str | os.PathLike, kind: str) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise HfscaleError(f"{kind} file {path} not found; check the path") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise HfscaleError(f"cannot read {kind} file {path}: {e}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError, RecursionError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise HfscaleError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg}); fix its syntax") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise HfscaleError(f"{path} must hold a mapping at the top (got {type(data).__name__})")
+    return data
+
+
+@dataclass
+class Setup:
+    """Everything doctor looks at, already read."""
+
+    accelerate: dict | None = None
+    accelerate_file: str = "accelerate.yaml"
+    deepspeed: dict | None = None
+    deepspeed_file: str = "deepspeed.json"
+    args: dict | None = None
+    args_file: str = "args.yaml"
+    model_config: object | None = None
+    model_name: str | None = None
+    num_processes: int | None = None
+    num_machines: int | None = None
+    gpus_per_machine: int | None = None
+    notes: list = field(default_factory=list)
+
+
+def _find_ds_file(ref: str, beside: Path | None) -> Path | None:
+    """accelerate resolves deepspeed_config_file against the launch directory; also try beside the
+    YAML and its parent (a repository with accelerate_configs/ and ds_configs/)."""
+    candidates = [Path(ref)]
+    if beside is not None and not Path(ref).is_absolute():
+        candidates += [beside / ref, beside.parent / ref]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def load_setup(accelerate=None, deepspeed=None, args=None, model=None, num_processes=None, num_machines=None,
+               gpus_per_machine=None) -> Setup:
+    s = Setup(num_processes=num_processes, num_machines=num_machines, gpus_per_machine=gpus_per_machine)
+    if accelerate:
+        s.accelerate, s.accelerate_file = read_mapping(accelerate, "accelerate config"), str(accelerate)
+    if args:
+        s.args, s.args_file = read_mapping(args, "training arguments"), str(args)
+    if deepspeed:
+        s.deepspeed, s.deepspeed_file = read_mapping(deepspeed, "DeepSpeed config"), str(deepspeed)
+    else:  # follow the reference in the accelerate YAML or in the arguments
+        ref, beside = None, None
+        if s.accelerate and isinstance(s.accelerate.get("deepspeed_config"), dict):
+            ref, beside = s.accelerate["deepspeed_config"].get("deepspeed_config_file"), Path(accelerate).parent
+        if not ref and s.args and isinstance(s.args.get("deepspeed"), str):
+            ref, beside = s.args["deepspeed"], Path(args).parent
+        if isinstance(ref, str) and ref not in ("", "none"):
+            found = _find_ds_file(ref, beside)
+            if found is None:
+                s.notes.append(("missing-deepspeed-file", ref))
+            else:
+                s.deepspeed, s.deepspeed_file = read_mapping(found, "DeepSpeed config"), str(found)
+    if model:
+        from ..models import load_config
+
+        path = Path(model)
+        if path.is_file():  # a config.json
+            from transformers import AutoConfig
+
+            try:
+                s.model_config = AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path))
+            except (OSError, ValueError) as e:
+                raise HfscaleError(f"cannot read model config {model}: {str(e).splitlines()[0][:200]}") from None
+        else:
+            s.model_config = load_config(model)
+        s.model_name = str(model)
+    return s

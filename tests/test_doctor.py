@@ -1,0 +1,217 @@
+"""`hfscale doctor`: one bad input and one good input per check; shipped configs pass; fuzzing never crashes it."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hfscale.doctor import check, check_setup
+from hfscale.doctor.inputs import Setup
+from hfscale.errors import HfscaleError
+
+ROOT = Path(__file__).resolve().parents[1]
+DS3 = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+DS2 = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+ACC3 = yaml.safe_load((ROOT / "accelerate_configs" / "zero3.yaml").read_text())
+
+
+def codes(setup):
+    return {f.code for f in check_setup(setup)}
+
+
+def ds(base=DS3, **changes):
+    d = copy.deepcopy(base)
+    for dotted, v in changes.items():
+        cur = d
+        *parents, last = dotted.split("__")
+        for p in parents:
+            cur = cur.setdefault(p, {})
+        if v is None:
+            cur.pop(last, None)
+        else:
+            cur[last] = v
+    return d
+
+
+class _Gemma:
+    model_type = "gemma3_text"
+
+
+CASES = [
+    # (code, bad setup, good setup)
+    ("string-number", Setup(deepspeed=ds(gradient_accumulation_steps="8")), Setup(deepspeed=ds(gradient_accumulation_steps=8))),
+    ("string-number", Setup(args={"learning_rate": "3e-4"}), Setup(args={"learning_rate": 3.0e-4})),
+    ("string-bool", Setup(deepspeed=ds(bf16__enabled="true")), Setup(deepspeed=ds(bf16__enabled=True))),
+    ("batch-arithmetic", Setup(deepspeed=ds(train_batch_size=16, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2), num_processes=2),
+     Setup(deepspeed=ds(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2), num_processes=2)),
+    ("accumulation-conflict", Setup(deepspeed=ds(gradient_accumulation_steps=4), args={"gradient_accumulation_steps": 8}),
+     Setup(deepspeed=ds(gradient_accumulation_steps="auto"), args={"gradient_accumulation_steps": 8})),
+    ("micro-batch-conflict", Setup(deepspeed=ds(train_micro_batch_size_per_gpu=4), args={"per_device_train_batch_size": 2}),
+     Setup(deepspeed=ds(train_micro_batch_size_per_gpu=2), args={"per_device_train_batch_size": 2})),
+    ("non-positive", Setup(args={"per_device_train_batch_size": 0}), Setup(args={"per_device_train_batch_size": 1})),
+    ("bf16-and-fp16", Setup(deepspeed=ds(fp16__enabled=True)), Setup(deepspeed=ds())),
+    ("bf16-and-fp16", Setup(args={"bf16": True, "fp16": True}), Setup(args={"bf16": True, "fp16": False})),
+    ("precision-conflict", Setup(deepspeed=ds(), args={"fp16": True}), Setup(deepspeed=ds(), args={"bf16": True})),
+    ("precision-conflict", Setup(accelerate={"mixed_precision": "fp16"}, args={"bf16": True}),
+     Setup(accelerate={"mixed_precision": "bf16"}, args={"bf16": True})),
+    ("precision-in-yaml-and-json", Setup(accelerate={**ACC3, "mixed_precision": "bf16"}, deepspeed=ds()), Setup(accelerate=ACC3, deepspeed=ds())),
+    ("fp16-gemma", Setup(args={"fp16": True}, model_config=_Gemma()), Setup(args={"bf16": True}, model_config=_Gemma())),
+    ("key-in-yaml-and-json", Setup(accelerate={**ACC3, "deepspeed_config": {**ACC3["deepspeed_config"], "zero_stage": 3}}, deepspeed=ds()),
+     Setup(accelerate=ACC3, deepspeed=ds())),
+    ("param-offload-below-3", Setup(deepspeed=ds(DS2, zero_optimization__offload_param={"device": "cpu"})),
+     Setup(deepspeed=ds(zero_optimization__offload_param={"device": "cpu"}))),
+    ("nvme-no-path", Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "nvme"}, optimizer={"type": "AdamW"})),
+     Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "cpu"}, optimizer={"type": "AdamW"}))),
+    ("optimizer-not-offloadable", Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "cpu"}, optimizer={"type": "SGD"})),
+     Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "cpu"}, optimizer={"type": "AdamW"}))),
+    ("optimizer-not-offloadable", Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "cpu"}), args={"optim": "adafactor"}),
+     Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "cpu"}), args={"optim": "adamw_torch"})),
+    ("offload-client-optimizer", Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "cpu"})),
+     Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "cpu"}, optimizer={"type": "AdamW"}))),
+    ("zero3-tiny-checkpoint", Setup(deepspeed=ds(zero_optimization__stage3_gather_16bit_weights_on_model_save=None)), Setup(deepspeed=ds())),
+    ("zero3-tiny-checkpoint", Setup(deepspeed=ds(zero_optimization__stage3_gather_16bit_weights_on_model_save="auto")), Setup(deepspeed=ds())),
+    ("qlora-zero3-storage", Setup(deepspeed=ds(), args={"load_in_4bit": True, "bf16": True}),
+     Setup(deepspeed=ds(), args={"load_in_4bit": True, "bf16": True, "bnb_4bit_quant_storage": "bfloat16"})),
+    ("qlora-zero3-init", Setup(accelerate={**ACC3, "deepspeed_config": {**ACC3["deepspeed_config"], "zero3_init_flag": False}}, deepspeed=ds(),
+                               args={"load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16", "bf16": True}),
+     Setup(accelerate=ACC3, deepspeed=ds(), args={"load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16", "bf16": True})),
+    ("zero3-checkpointing-reentrant", Setup(deepspeed=ds(), args={"gradient_checkpointing": True, "use_peft": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}),
+     Setup(deepspeed=ds(), args={"gradient_checkpointing": True, "use_peft": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}})),
+    ("qat-on-quantized-base", Setup(args={"qat": "8da4w", "load_in_4bit": True}), Setup(args={"qat": "8da4w", "bf16": True})),
+    ("qat-fp16", Setup(args={"qat": "8da4w", "fp16": True}), Setup(args={"qat": "8da4w", "bf16": True})),
+    ("unknown-key", Setup(deepspeed=ds(zero_optimization__stage3_gather_16bit_weights_on_modelsave=True)), Setup(deepspeed=ds())),
+    ("unknown-key", Setup(deepspeed=ds(train_micro_batch_size_per_gpus=2)), Setup(deepspeed=ds(train_micro_batch_size_per_gpu=2))),
+    ("unknown-key", Setup(accelerate={**ACC3, "num_procesess": 2}), Setup(accelerate=ACC3)),
+    ("unknown-key", Setup(args={"per_device_train_batchsize": 2}), Setup(args={"per_device_train_batch_size": 2})),
+    ("launch-shape", Setup(accelerate={**ACC3, "num_processes": 3, "num_machines": 2, "main_process_ip": "h"}),
+     Setup(accelerate={**ACC3, "num_processes": 4, "num_machines": 2, "main_process_ip": "h"})),
+    ("launch-shape", Setup(accelerate=ACC3, num_processes=16, num_machines=2, gpus_per_machine=4),
+     Setup(accelerate={**ACC3, "main_process_ip": "10.0.0.1"}, num_processes=8, num_machines=2, gpus_per_machine=4)),
+    ("launch-shape", Setup(accelerate={**ACC3, "num_machines": 2, "num_processes": 4}),
+     Setup(accelerate={**ACC3, "num_machines": 2, "num_processes": 4, "main_process_ip": "10.0.0.1"})),
+    ("launch-shape", Setup(accelerate={**ACC3, "machine_rank": 1}), Setup(accelerate={**ACC3, "machine_rank": 0})),
+]
+
+
+@pytest.mark.parametrize("code, bad, good", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_each_check_fires_on_bad_and_not_on_good(code, bad, good):
+    found = check_setup(bad)
+    hits = [f for f in found if f.code == code]
+    assert hits, f"{code} not found in {found}"
+    f = hits[0]
+    assert f.fix and f.what and ":" in f.where
+    assert code not in codes(good), check_setup(good)
+
+
+def test_findings_name_the_exact_value():
+    f = next(f for f in check_setup(CASES[3][1]) if f.code == "batch-arithmetic")
+    assert f.where.endswith(":train_batch_size") and "set train_batch_size: 8" in f.fix
+    f = next(f for f in check_setup(Setup(deepspeed=ds(gradient_accumulation_steps="8"))) if f.code == "string-number")
+    assert f.fix == "set gradient_accumulation_steps: 8"
+    f = next(f for f in check_setup(CASES[26][1]))
+    assert "stage3_gather_16bit_weights_on_model_save" in f.fix
+
+
+def test_nvme_path_checks(tmp_path):
+    base = dict(zero_optimization__offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path / "nope")}, optimizer={"type": "AdamW"})
+    assert "nvme-path-missing" in codes(Setup(deepspeed=ds(**base)))
+    (tmp_path / "file").write_text("x")
+    base["zero_optimization__offload_optimizer"]["nvme_path"] = str(tmp_path / "file")
+    assert "nvme-path-unwritable" in codes(Setup(deepspeed=ds(**base)))
+    base["zero_optimization__offload_optimizer"]["nvme_path"] = str(tmp_path)
+    assert not {"nvme-path-missing", "nvme-path-unwritable"} & codes(Setup(deepspeed=ds(**base)))
+
+
+@pytest.mark.parametrize("yaml_path", sorted((ROOT / "accelerate_configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_config_passes_doctor(yaml_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    errors = [f for f in check(accelerate=yaml_path, model="tiny-gemma3") if f.severity == "error"]
+    assert errors == []
+
+
+def test_cli_exit_codes_and_json(tmp_path, cli):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(ds(gradient_accumulation_steps="8", fp16__enabled=True)))
+    r = cli("doctor", "--deepspeed", bad, "--json")
+    assert r.returncode == 1
+    found = json.loads(r.stdout)
+    assert {"string-number", "bf16-and-fp16"} <= {f["code"] for f in found}
+    assert all(set(f) == {"code", "severity", "where", "what", "fix"} for f in found)
+    r = cli("doctor", "--accelerate", ROOT / "accelerate_configs" / "zero3.yaml", cwd=ROOT)
+    assert r.returncode == 0 and "no problems found" in r.stdout
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    r = cli("doctor", "--deepspeed", broken)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = cli("doctor", "--deepspeed", tmp_path / "missing.json")
+    assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_python_api_reads_files(tmp_path):
+    with pytest.raises(HfscaleError):
+        check(deepspeed=tmp_path / "nope.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(HfscaleError, match="mapping"):
+        check(deepspeed=tmp_path / "list.json")
+
+
+# --- fuzzing: random mutations of valid configs never crash doctor -------------------------------
+
+leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.text(max_size=12),
+                 st.sampled_from(["auto", "8", "true", "3e-4", "nvme", "cpu", "bf16", "ü…😀"]))
+value = st.recursive(leaf, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=8), c, max_size=3)), max_leaves=8)
+
+
+def _paths(d, prefix=()):
+    for k, v in d.items():
+        yield prefix + (k,)
+        if isinstance(v, dict):
+            yield from _paths(v, prefix + (k,))
+
+
+@st.composite
+def mutated(draw, base):
+    d = copy.deepcopy(base)
+    for _ in range(draw(st.integers(1, 5))):
+        paths = list(_paths(d))
+        op = draw(st.sampled_from(["set", "delete", "add", "nest"]))
+        if not paths:
+            op = "add"
+        if op == "add":
+            d[draw(st.text(max_size=10))] = draw(value)
+            continue
+        path = draw(st.sampled_from(paths))
+        parent = d
+        for p in path[:-1]:
+            parent = parent[p]
+        if op == "set":
+            parent[path[-1]] = draw(value)
+        elif op == "delete":
+            parent.pop(path[-1])
+        else:
+            parent[path[-1]] = {draw(st.text(max_size=5)): parent[path[-1]]}
+    return d
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dsd=mutated(DS3), acc=mutated(ACC3), args=mutated({"per_device_train_batch_size": 2, "bf16": True, "gradient_accumulation_steps": 4,
+                                                          "gradient_checkpointing": True, "qat": "8da4w", "optim": "adamw_torch"}),
+       procs=st.one_of(st.none(), st.integers(-3, 64)))
+def test_fuzzed_configs_only_produce_findings(dsd, acc, args, procs):
+    findings = check_setup(Setup(deepspeed=dsd, accelerate=acc, args=args, num_processes=procs))
+    assert all(f.severity in ("error", "warning") for f in findings)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=60))
+def test_fuzzed_file_bytes_give_findings_or_exit_2(text, tmp_path_factory):
+    p = tmp_path_factory.mktemp("fz") / "x.json"
+    p.write_text(text)
+    try:
+        check(deepspeed=p)
+    except HfscaleError as e:
+        assert "\n" not in str(e)
