@@ -24,6 +24,12 @@ def run_demo(out: str = "demo_out") -> int:
     for p in write_config_sets(specs, out / "accelerate_configs", out / "ds_configs", force=True):
         print(f"  wrote {p}")
 
+    from .doctor import check
+
+    for spec in specs:
+        errors = [f for f in check(accelerate=out / "accelerate_configs" / f"{spec.name}.yaml") if f.severity == "error"]
+        print(f"  doctor {spec.name}: {'clean' if not errors else errors}")
+
     _banner("2. real training on 2 CPU processes (accelerate launch + DeepSpeed over gloo)")
     rows, facts = [], []
     for name in ("zero2", "zero3"):
@@ -55,5 +61,16 @@ def run_demo(out: str = "demo_out") -> int:
     print()
     for f in facts:
         print(f"  - {f}")
+    _banner("4. planning a real job from the config alone: Gemma 3 27B, seq 4096, 2 nodes x 8 x 80 GB")
+    from .models import load_config
+    from .plan.dims import dims_from_config
+    from .plan.planner import Hardware, candidates, pick
+
+    d = dims_from_config(load_config("gemma-3-27b"))
+    best = pick(candidates(d, Hardware(8, 2, 80 * 10**9), 4096, 2**20))
+    p = best["prediction"]
+    print(f"  pick: {best['strategy']}, accumulation {best['grad_accum']}: weights {p['weights'] / 1e9:.1f} GB, grads "
+          f"{p['gradients'] / 1e9:.1f}, optimizer {p['optimizer'] / 1e9:.1f}, activations {p['activations'] / 1e9:.1f}, "
+          f"ZeRO-3 live {p['zero3_live'] / 1e9:.1f}; peak {best['peak_bytes'] / 1e9:.1f} GB/GPU")
     print(f"\ndemo finished in {time.time() - t0:.0f} s; reports under {out / 'proof'}")
     return 0

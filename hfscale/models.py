@@ -48,6 +48,17 @@ def tiny_config():
 BUILTIN = {TINY: tiny_config}
 
 
+def dimension_configs() -> dict[str, Path]:
+    """Published model shapes shipped as config.json files (dimensions only, no weights), so that
+    planning works offline: gemma-3-270m, -1b, -4b, -12b, -27b (text decoders)."""
+    root = Path(str(resources.files("hfscale") / "data" / "models"))
+    return {p.stem: p for p in sorted(root.glob("*.json"))}
+
+
+def known_names() -> list[str]:
+    return [*BUILTIN, *dimension_configs()]
+
+
 def is_builtin(name: str) -> bool:
     return name in BUILTIN
 
@@ -55,6 +66,13 @@ def is_builtin(name: str) -> bool:
 def load_config(name_or_path: str):
     if name_or_path in BUILTIN:
         return BUILTIN[name_or_path]()
+    dims = dimension_configs()
+    if name_or_path in dims:
+        import json
+
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(**{k: v for k, v in json.loads(dims[name_or_path].read_text()).items() if k not in ("model_type", "architectures")})
     from transformers import AutoConfig
 
     try:
@@ -94,7 +112,7 @@ def build_model(name_or_path: str, seed: int = 0, dtype=None):
 def _not_found(name: str, err: Exception) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (
-        f"cannot load model {name!r} ({first[:160]}); give a built-in name ({', '.join(BUILTIN)}), "
+        f"cannot load model {name!r} ({first[:160]}); give a built-in name ({', '.join(known_names())}), "
         "a local transformers directory, or a hub name with network access"
     )
 

@@ -1,0 +1,125 @@
+"""`hfscale plan`: predict per-GPU memory for a model and strategy; with hardware, rank strategies and pick one."""
+
+from __future__ import annotations
+
+import json
+
+EPILOG = """examples:
+  hfscale plan --model gemma-3-27b --seq-len 4096 --micro-batch 1 --zero 3 --dp 16 --checkpointing full
+  hfscale plan --model gemma-3-12b --seq-len 4096 --micro-batch 1 --gpus-per-node 8 --nodes 2 --gpu-mem 80GB \\
+               --global-batch-tokens 1048576 --plot plan.png --write plan_cfg
+  hfscale plan --model path/to/config.json --seq-len 2048 --micro-batch 4 --json
+"""
+
+
+def add_parser(sub):
+    import argparse
+
+    p = sub.add_parser("plan", help="predict training memory and pick the cheapest strategy that fits",
+                       description="Predict per-GPU memory (weights, gradients, optimizer, activations) from a model's "
+                       "config alone, and with hardware given, rank strategies and pick the cheapest that fits.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="built-in name (tiny-gemma3, gemma-3-270m..27b), config.json, model dir or hub name")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--micro-batch", type=int, required=True)
+    p.add_argument("--checkpointing", default="off", help="off | full | every:K")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    p.add_argument("--offload", default="none", choices=["none", "cpu", "nvme"])
+    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all GPUs given, else 1)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "sgd"])
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa/flash (default) or eager")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (peft, all decoder linears); 0 = full fine-tuning")
+    p.add_argument("--base-bits", type=int, default=16, choices=[16, 4], help="4 = QLoRA (NF4 base)")
+    p.add_argument("--inference", action="store_true", help="also predict serving memory: weights at --quant + KV cache")
+    p.add_argument("--quant", default="bf16", choices=["bf16", "int8", "int4"])
+    p.add_argument("--batch", type=int, default=1, help="inference batch")
+    p.add_argument("--context", type=int, help="inference context tokens (default: --seq-len)")
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-mem", default="80GB")
+    p.add_argument("--cpu-mem", default="512GB")
+    p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: micro x seq x dp)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", help="write stacked memory bars per strategy to this PNG")
+    p.add_argument("--write", help="write accelerate YAML, DeepSpeed JSON and training arguments for the pick here")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(run=run)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from ..atomic import check_writable
+    from ..errors import HfscaleError
+    from ..models import load_config
+    from ..plan.dims import dims_from_config
+    from ..plan.memory import Strategy, predict
+    from ..plan.planner import Hardware, candidates, parse_size, pick, shortfall
+
+    d = dims_from_config(load_config(args.model))
+    hw = None
+    if args.gpus_per_node is not None:
+        hw = Hardware(args.gpus_per_node, args.nodes, parse_size(args.gpu_mem), parse_size(args.cpu_mem))
+    dp = args.dp or (hw.world if hw else 1)
+    s = Strategy(zero=args.zero, dp=dp, precision=args.precision, optimizer=args.optimizer, offload=args.offload,
+                 checkpointing=args.checkpointing, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                 attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits)
+    if (args.write or args.plot) and hw is None:
+        raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
+    outputs = [p for p in (args.write, args.plot) if p]
+    check_writable(outputs, args.force)
+    out = {"model": args.model, "params": d.params, "strategy": s.label, "prediction": predict(d, s)}
+    if args.inference:
+        from ..plan.memory import inference_bytes
+
+        out["inference"] = inference_bytes(d, args.quant, args.batch, args.context or args.seq_len)
+    rows = best = None
+    if hw:
+        tokens = args.global_batch_tokens or args.micro_batch * args.seq_len * hw.world
+        rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention)
+        best = pick(rows)
+        out["candidates"] = rows
+        out["pick"] = best
+        if best is None:
+            out["nothing_fits"] = shortfall(rows, hw)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        p = out["prediction"]
+        print(f"{args.model}: {d.params / 1e9:.3f}B parameters; {s.label}, dp {dp}, seq {args.seq_len}, {args.precision}")
+        print("per-GPU GB   weights  grads  optimizer  activations  recompute  zero3-live  total")
+        print(f"             {_gb(p['weights']):>7}  {_gb(p['gradients']):>5}  {_gb(p['optimizer']):>9}  {_gb(p['activations']):>11}"
+              f"  {_gb(p['recompute_working']):>9}  {_gb(p['zero3_live']):>10}  {_gb(p['total']):>5}")
+        print(f"(not included: CUDA context {p['overheads_not_included']['cuda_context'] / 2**30:.1f} GiB, "
+              f"~10% allocator fragmentation; offloaded per rank {_gb(p['offloaded_per_rank'])} GB)")
+        if args.inference:
+            i = out["inference"]
+            print(f"inference ({args.quant}, batch {args.batch}, context {args.context or args.seq_len}): weights {_gb(i['weights'])} GB"
+                  f" + KV cache {_gb(i['kv_cache'])} GB = {_gb(i['total'])} GB")
+        if rows:
+            print(f"\ncandidates on {hw.nodes}x{hw.gpus_per_node} GPUs of {hw.gpu_mem / 1e9:.0f} GB (peak = total x 1.1 + context):")
+            print(f"  {'strategy':34} {'accum':>5} {'peak GB':>8} {'cost':>6}  fits")
+            for r in rows[:12]:
+                print(f"  {r['strategy']:34} {r['grad_accum']:>5} {r['peak_bytes'] / 1e9:>8.1f} {r['cost']:>6.2f}  {'yes' if r['fits'] else 'no'}")
+            print(f"\npick: {best['strategy']} (accum {best['grad_accum']})" if best else f"\n{out['nothing_fits']}")
+    if args.plot:
+        from ..plan.plot import plot_candidates
+
+        plot_candidates(rows, args.plot, title=f"{args.model} seq {args.seq_len} on {hw.nodes}x{hw.gpus_per_node}x{hw.gpu_mem / 1e9:.0f}GB",
+                        gpu_mem=hw.gpu_mem)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    if args.write:
+        if best is None:
+            raise HfscaleError("nothing fits, so there is no pick to write; " + out["nothing_fits"])
+        from ..plan.write import write_plan
+
+        for f in write_plan(best, hw, Path(args.write), force=args.force):
+            if not args.json:
+                print(f"wrote {f}")
+    return 1 if hw is not None and best is None else 0

@@ -1,0 +1,178 @@
+"""`hfscale plan`: the memory model against exact measurements, model states against ZeRO's algebra,
+and the planner / CLI contract."""
+
+import json
+
+import pytest
+import torch
+
+from hfscale.errors import HfscaleError
+from hfscale.plan.dims import dims_from_config
+from hfscale.plan.measure import saved_activation_bytes
+from hfscale.plan.memory import Strategy, activation_bytes, kv_cache_bytes, model_state_bytes, predict
+
+
+def _small(family, attn):
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+    kw = dict(vocab_size=640, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    cfg = {"gemma3": lambda: Gemma3TextConfig(**kw, sliding_window=4096, layer_types=["full_attention"] * 3, query_pre_attn_scalar=16),
+           "llama": lambda: LlamaConfig(**kw, tie_word_embeddings=False),
+           "qwen2": lambda: Qwen2Config(**kw, tie_word_embeddings=True)}[family]()
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _set_checkpointing(model, mode):
+    if mode == "off":
+        model.gradient_checkpointing_disable()
+        return
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode.startswith("every:"):
+        k = int(mode.split(":")[1])
+        for i, layer in enumerate(model.model.layers):
+            layer.gradient_checkpointing = i % k == 0
+
+
+@pytest.mark.parametrize("family, attn", [("tiny", "eager"), ("gemma3", "sdpa"), ("llama", "eager"), ("llama", "sdpa"), ("qwen2", "sdpa")])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_prediction_within_10_percent_of_measurement(family, attn, precision):
+    from hfscale.models import build_model
+
+    model = build_model("tiny-gemma3") if family == "tiny" else _small(family, attn)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    model.train()
+    d = dims_from_config(model.config)
+    for ckpt in ("off", "full", "every:2"):
+        _set_checkpointing(model, ckpt)
+        for B, S in ((1, 32), (2, 96)):
+            ids = torch.randint(4, d.vocab, (B, S))
+            measured = saved_activation_bytes(model, ids)
+            predicted = activation_bytes(d, B, S, precision, ckpt, attn)["total"]
+            assert abs(predicted - measured) / measured < 0.10, (family, attn, precision, ckpt, B, S, predicted, measured)
+
+
+def test_param_count_is_exact_for_three_families():
+    from hfscale.models import build_model
+
+    for m in (build_model("tiny-gemma3"), _small("llama", "sdpa"), _small("qwen2", "sdpa")):
+        assert dims_from_config(m.config).params == sum(p.numel() for p in m.parameters())
+
+
+def test_shipped_gemma3_shapes_match_published_sizes():
+    from hfscale.models import load_config
+
+    sizes = {"gemma-3-270m": 0.268e9, "gemma-3-1b": 1.0e9, "gemma-3-4b": 3.88e9, "gemma-3-12b": 11.77e9, "gemma-3-27b": 27.0e9}
+    for name, n in sizes.items():
+        assert abs(dims_from_config(load_config(name)).params - n) / n < 0.01, name
+
+
+def test_model_states_follow_zero_algebra():
+    from hfscale.models import tiny_config
+
+    d = dims_from_config(tiny_config())
+    P = d.params
+    base = dict(precision="bf16", micro_batch=1, seq_len=8)
+    s0 = model_state_bytes(d, Strategy(zero=0, dp=4, **base))
+    assert (s0["weights"], s0["gradients"], s0["optimizer"]) == (2 * P, 2 * P, 12 * P)  # 16Ψ, K=12
+    s1 = model_state_bytes(d, Strategy(zero=1, dp=4, **base))
+    assert (s1["weights"], s1["gradients"], s1["optimizer"]) == (2 * P, 2 * P, 12 * P // 4)
+    s2 = model_state_bytes(d, Strategy(zero=2, dp=4, **base))
+    assert s2["gradients"] == 2 * P // 4
+    s3 = model_state_bytes(d, Strategy(zero=3, dp=4, **base))
+    assert s3["weights"] + s3["gradients"] + s3["optimizer"] == pytest.approx(16 * P / 4, abs=3)
+    assert s3["zero3_live"] == 4 * d.embedding_params  # Gemma's largest module is the embedding
+    off = model_state_bytes(d, Strategy(zero=3, dp=4, offload="cpu", **base))
+    assert off["optimizer"] == off["weights"] == 0 and off["offloaded_per_rank"] > 0
+
+
+def test_zero_states_match_what_deepspeed_ranks_held():
+    """Per-rank elements measured in the real 2-process runs (benchmarks/results/engine_proofs.json)."""
+    from pathlib import Path
+
+    from hfscale.models import tiny_config
+
+    rows = {r["config"]: r for r in json.loads((Path(__file__).parents[1] / "benchmarks/results/engine_proofs.json").read_text())}
+    d = dims_from_config(tiny_config())
+    for name, stage in (("zero1", 1), ("zero2", 2), ("zero3", 3)):
+        pred = model_state_bytes(d, Strategy(zero=stage, dp=2, micro_batch=1, seq_len=8))
+        # bf16 weights: 2 bytes per element held; Adam moments: 8 of the 12 optimizer bytes per element
+        assert abs(pred["weights"] / 2 - rows[name]["param elems/rank"]) / rows[name]["param elems/rank"] < 0.05
+        assert abs(pred["optimizer"] * 8 / 12 / 8 - rows[name]["adam exp_avg elems/rank (memory)"]) / rows[name]["adam exp_avg elems/rank (memory)"] < 0.05
+
+
+def test_kv_cache_respects_sliding_windows():
+    from hfscale.models import load_config
+
+    d = dims_from_config(load_config("gemma-3-27b"))
+    full = 2 * d.layers * d.kv_heads * d.head_dim * 2 * 32768
+    kv = kv_cache_bytes(d, 1, 32768)
+    n_global = sum(t == "full_attention" for t in d.layer_types)
+    assert kv == 2 * d.kv_heads * d.head_dim * 2 * (n_global * 32768 + (d.layers - n_global) * 1024)
+    assert kv < full / 4
+
+
+def test_cli_json_contract(cli):
+    r = cli("plan", "--model", "gemma-3-27b", "--seq-len", "4096", "--micro-batch", "1", "--zero", "3", "--dp", "16",
+            "--checkpointing", "full", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    p = out["prediction"]
+    assert all(isinstance(p[k], int) for k in ("weights", "gradients", "optimizer", "activations", "total"))
+    assert p["total"] >= p["weights"] + p["gradients"] + p["optimizer"] + p["activations"]
+    assert "candidates" not in out
+
+
+def test_cli_pick_and_write(tmp_path, cli):
+    out = tmp_path / "cfg"
+    png = tmp_path / "plan.png"
+    r = cli("plan", "--model", "gemma-3-12b", "--seq-len", "4096", "--micro-batch", "1", "--gpus-per-node", "8", "--nodes", "2",
+            "--gpu-mem", "80GB", "--global-batch-tokens", "1048576", "--json", "--write", out, "--plot", png)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    pick = res["pick"]
+    assert pick["fits"] and pick["peak_bytes"] <= 80e9
+    assert all(c["cost"] >= pick["cost"] for c in res["candidates"] if c["fits"])
+    assert pick["micro_batch"] * pick["grad_accum"] * 16 * 4096 == 1048576
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    args = (out / "training_args.yaml").read_text()
+    assert f"gradient_accumulation_steps: {pick['grad_accum']}" in args
+    # the written set passes doctor
+    from hfscale.doctor import check
+
+    errors = [f for f in check(accelerate=out / "plan.yaml", args=out / "training_args.yaml", num_processes=16) if f.severity == "error"]
+    assert errors == []
+
+
+def test_nothing_fits_says_by_how_much(cli):
+    r = cli("plan", "--model", "gemma-3-27b", "--seq-len", "8192", "--micro-batch", "1", "--gpus-per-node", "1",
+            "--gpu-mem", "16GB", "--json")
+    assert r.returncode == 1
+    out = json.loads(r.stdout)
+    assert out["pick"] is None and "GB over 16 GB" in out["nothing_fits"]
+
+
+@pytest.mark.parametrize("args, fix", [
+    (["--model", "no-such-model"], "gemma-3-27b"),
+    (["--model", "gemma-3-1b", "--gpus-per-node", "0"], "at least 1"),
+    (["--model", "gemma-3-1b", "--gpus-per-node", "8", "--gpu-mem=-80GB"], "positive"),
+    (["--model", "gemma-3-1b", "--gpus-per-node", "8", "--gpu-mem", "lots"], "80GB"),
+    (["--model", "gemma-3-1b", "--micro-batch", "0"], "positive"),
+])
+def test_bad_input_exit_2(args, fix, cli, tmp_path):
+    full = ["plan", "--seq-len", "1024", *(["--micro-batch", "1"] if "--micro-batch" not in args else []), *args, "--write", tmp_path / "w"]
+    r = cli(*full)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert fix in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "w").exists()
+
+
+def test_plan_for_27b_needs_no_weights():
+    from hfscale.models import load_config
+
+    d = dims_from_config(load_config("gemma-3-27b"))
+    p = predict(d, Strategy(zero=3, dp=64, micro_batch=1, seq_len=8192, checkpointing="full"))
+    assert p["params"] > 26e9 and p["total"] < 80e9
