@@ -176,3 +176,29 @@ def test_plan_for_27b_needs_no_weights():
     d = dims_from_config(load_config("gemma-3-27b"))
     p = predict(d, Strategy(zero=3, dp=64, micro_batch=1, seq_len=8192, checkpointing="full"))
     assert p["params"] > 26e9 and p["total"] < 80e9
+
+
+def test_lora_adapter_count_matches_peft_and_shrinks_states():
+    from peft import LoraConfig, get_peft_model
+
+    from hfscale.models import build_model
+    from hfscale.plan.memory import lora_params
+
+    m = build_model("tiny-gemma3")
+    d = dims_from_config(m.config)
+    pm = get_peft_model(m, LoraConfig(r=8, target_modules="all-linear"))
+    assert lora_params(d, 8) == sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    full = model_state_bytes(d, Strategy(micro_batch=1, seq_len=8))
+    lora = model_state_bytes(d, Strategy(micro_batch=1, seq_len=8, lora_rank=8))
+    qlora = model_state_bytes(d, Strategy(micro_batch=1, seq_len=8, lora_rank=8, base_bits=4))
+    assert lora["optimizer"] == 8 * lora_params(d, 8) < full["optimizer"] / 10
+    assert qlora["weights"] < lora["weights"]
+
+
+def test_inference_weights_and_kv(cli):
+    r = cli("plan", "--model", "gemma-3-4b", "--seq-len", "1024", "--micro-batch", "1", "--inference", "--quant", "int4",
+            "--context", "32768", "--json")
+    assert r.returncode == 0, r.stderr
+    inf = json.loads(r.stdout)["inference"]
+    assert inf["total"] == inf["weights"] + inf["kv_cache"]
+    assert 2.5e9 < inf["weights"] < 4.5e9  # 3.2B decoder params at ~0.56 B + 0.67B embedding at 2 B

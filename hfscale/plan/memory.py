@@ -163,6 +163,11 @@ def lora_params(d: Dims, r: int) -> int:
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 * 1.0 / 4 + 4 / (64 * 256)  # 4-bit codes + double-quantized block absmax
 
 
+def shard(weights: int, grads: int, optim: int, zero: int, n: int) -> tuple[int, int, int]:
+    """ZeRO-1 partitions the optimizer state over n ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights."""
+    return (weights // n if zero >= 3 else weights, grads // n if zero >= 2 else grads, optim // n if zero >= 1 else optim)
+
+
 def _lora_states(d: Dims, s: Strategy) -> dict:
     """Frozen base + trainable adapters (peft keeps adapters in fp32, so no separate master copy)."""
     A, N = lora_params(d, s.lora_rank), s.dp
@@ -171,15 +176,8 @@ def _lora_states(d: Dims, s: Strategy) -> dict:
         base = int(body * NF4_BYTES_PER_PARAM) + 2 * (d.params - body)
     else:
         base = (2 if s.precision == "bf16" else 4) * d.params
-    adapters, grads, optim = 4 * A, 4 * A, OPTIMIZER_STATE_BYTES[s.optimizer] * A
-    if s.zero >= 1:
-        optim //= N
-    if s.zero >= 2:
-        grads //= N
-    if s.zero >= 3:
-        base //= N
-        adapters //= N
-    return {"weights": base + adapters, "gradients": grads, "optimizer": optim,
+    weights, grads, optim = shard(base + 4 * A, 4 * A, OPTIMIZER_STATE_BYTES[s.optimizer] * A, s.zero, N)
+    return {"weights": weights, "gradients": grads, "optimizer": optim,
             "zero3_live": 4 * d.largest_layer_params if s.zero == 3 else 0, "offloaded_per_rank": 0, "trainable": A}
 
 
@@ -190,13 +188,7 @@ def model_state_bytes(d: Dims, s: Strategy) -> dict:
     w_b, g_b = (2, 2) if s.precision == "bf16" else (4, 4)
     master = 4 if s.precision == "bf16" else 0
     opt_b = master + OPTIMIZER_STATE_BYTES[s.optimizer]
-    weights, grads, optim = w_b * P, g_b * P, opt_b * P
-    if s.zero >= 1:
-        optim //= N
-    if s.zero >= 2:
-        grads //= N
-    if s.zero >= 3:
-        weights //= N
+    weights, grads, optim = shard(w_b * P, g_b * P, opt_b * P, s.zero, N)
     cpu = 0
     live = 4 * d.largest_layer_params if s.zero == 3 else 0
     if s.offload != "none":
