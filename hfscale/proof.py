@@ -271,7 +271,7 @@ def summarize(name: str, reports: list[dict], reference: list[dict] | None = Non
         "ranks distinct": len({r["torch_rank"] for r in reports}) == len(reports),
         "data split (disjoint, complete)": sorted(all_idx) == list(range(r0["dataset_size"])),
         "params/rank": f"{r0['param_numel_local']:,}/{r0['param_numel_full']:,}",
-        "optim state/rank": f"{r0.get('optimizer_state_numel_local', 0):,}" + (f" on {','.join(r0['optimizer_state_devices'])}" if r0.get("optimizer_state_devices") else ""),
+        "Adam exp_avg/rank": f"{r0.get('optimizer_state_numel_by_key', {}).get('exp_avg', 0):,}" + (f" on {','.join(r0['optimizer_state_devices'])}" if r0.get("optimizer_state_devices") else ""),
         "optimizer": r0.get("base_optimizer_class", "AdamW (DDP)"),
         "final loss": round(r0["losses"][-1], 4),
     }
