@@ -119,3 +119,18 @@ def test_nvme_path_must_be_creatable(tmp_path):
     with pytest.raises(ConfigError, match="not a writable directory"):
         check_nvme_path(spec)
     check_nvme_path(ScaleSpec("x", zero=Zero(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path / "new"))))
+
+
+def test_public_api_for_existing_code():
+    import subprocess
+    import sys
+
+    import hfscale
+
+    assert hfscale.to_deepspeed(hfscale.preset("zero3"))["zero_optimization"]["stage"] == 3
+    kw = hfscale.training_arguments_kwargs(hfscale.preset("zero2"))
+    assert kw["bf16"] is True and kw["deepspeed"]["zero_optimization"]["stage"] == 2
+    assert callable(hfscale.make_accelerator) and callable(hfscale.doctor.check)
+    # importing the package does not import torch
+    out = subprocess.run([sys.executable, "-c", "import sys, hfscale; print('torch' in sys.modules)"], capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
