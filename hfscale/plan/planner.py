@@ -13,7 +13,7 @@ Relative step-time cost (1.0 = DDP, no checkpointing, largest micro batch), docu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..errors import HfscaleError
 from .dims import Dims
@@ -128,4 +128,4 @@ def to_scale_spec(row: dict, hw: Hardware, name: str = "plan"):
                      gradient_accumulation_steps=row["grad_accum"], gradient_checkpointing=row["checkpointing"], launch=launch)
 
 
-__all__ = ["Hardware", "candidates", "pick", "shortfall", "parse_size", "to_scale_spec", "replace"]
+__all__ = ["Hardware", "candidates", "pick", "shortfall", "parse_size", "to_scale_spec"]
