@@ -1,0 +1,99 @@
+"""A trained copy of the built-in tiny Gemma 3, for everything that needs a model that has learnt
+something: quantization quality (PTQ vs QAT), export checks (GGUF, .pte), evaluation.
+
+A random-init model makes quality numbers meaningless (every scheme is "equally bad"), so this
+trains the tiny model on the built-in corpus with a plain single-process loop — deterministic for
+a given (steps, seq_len, batch, lr, seed) — and caches the result as a transformers directory
+(safetensors + tokenizer) under $HFSCALE_CACHE (default ~/.cache/hfscale). Cluster training
+goes through recipes/train_clm.py; this is a fixed, small fixture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TinyTraining:
+    steps: int = 300
+    seq_len: int = 128
+    batch: int = 16
+    lr: float = 3e-3
+    warmup: int = 20
+    seed: int = 0
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HFSCALE_CACHE", Path.home() / ".cache" / "hfscale"))
+
+
+def trained_tiny(recipe: TinyTraining = TinyTraining(), cache: str | os.PathLike | None = None,
+                 progress: bool = True) -> Path:
+    """Path of a transformers directory holding the tiny model trained per `recipe` (built once)."""
+    root = Path(cache) if cache is not None else cache_root()
+    out = root / f"tiny-gemma3-trained-{recipe.key()}"
+    if (out / "hfscale_training.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
+    try:
+        info = _train(recipe, tmp, progress)
+        (tmp / "hfscale_training.json").write_text(json.dumps(info, indent=2) + "\n")
+        try:
+            tmp.rename(out)  # appears whole or not at all; a concurrent builder may have won
+        except OSError:
+            if not (out / "hfscale_training.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _train(r: TinyTraining, out: Path, progress: bool) -> dict:
+    import math
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from .corpus import load_text, packed_blocks
+    from .models import TINY, build_model, load_tokenizer
+
+    tok = load_tokenizer(TINY)
+    ds = load_text()
+    train = packed_blocks(tok, ds["train"]["text"], r.seq_len)
+    val = packed_blocks(tok, ds["validation"]["text"], r.seq_len)
+    model = build_model(TINY, seed=r.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=0.0)
+    # linear warm-up, then cosine to 10% of the peak
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / r.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, r.steps) / r.steps)))
+    )
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(r.seed))
+    model.train()
+    losses = []
+    for step in tqdm(range(r.steps), desc="training tiny-gemma3", disable=not progress):
+        idx = order[(torch.arange(r.batch) + step * r.batch) % len(train)]
+        batch = train[idx]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        vl = [model(input_ids=val[i : i + 16], labels=val[i : i + 16]).loss.item() for i in range(0, min(len(val), 64), 16)]
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return {"recipe": asdict(r), "final_train_loss": losses[-1], "val_loss_first_64_blocks": sum(vl) / len(vl),
+            "val_ppl_first_64_blocks": math.exp(sum(vl) / len(vl))}
