@@ -59,7 +59,7 @@ def packed_blocks(tokenizer, texts, seq_len: int):
     import torch
 
     ids: list[int] = []
-    for doc in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+    for doc in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]:
         ids.append(tokenizer.bos_token_id)
         ids.extend(doc)
         ids.append(tokenizer.eos_token_id)

@@ -1,0 +1,69 @@
+"""Global batch in tokens -> micro batch x accumulation x ranks, and which sequences each rank reads.
+
+The data order is a pure function of (seed, step): optimizer step s reads sequences
+order[s*G : (s+1)*G] (G sequences per global batch), and within it micro step a of rank r reads
+the slice [(a*world + r)*micro, +micro). A resumed run therefore reads exactly what the
+uninterrupted run would have, with no data-loader state to save, at any world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch: int
+    accum: int
+    world: int
+    seq_len: int
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.micro_batch * self.accum * self.world
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequences_per_step * self.seq_len
+
+    def arithmetic(self) -> str:
+        return (f"{self.micro_batch} micro × {self.accum} accum × {self.world} ranks × {self.seq_len} = "
+                f"{self.tokens_per_step:,} tokens/step")
+
+
+def plan_batch(global_batch_tokens: int, seq_len: int, world: int, micro_batch: int) -> BatchPlan:
+    """Accumulation steps so that micro x accum x world x seq_len == global_batch_tokens exactly."""
+    seqs, rest = divmod(global_batch_tokens, seq_len)
+    if rest:
+        raise ConfigError(f"global batch {global_batch_tokens:,} tokens is not a whole number of {seq_len}-token sequences")
+    per_step = micro_batch * world
+    if seqs % per_step:
+        ok = [m for m in range(1, seqs + 1) if seqs % (m * world) == 0]
+        hint = f"micro batch one of {ok[:6]}" if ok else f"a global batch that is a multiple of {world * seq_len:,} tokens"
+        raise ConfigError(
+            f"global batch {global_batch_tokens:,} tokens = {seqs} sequences does not divide into micro batch "
+            f"{micro_batch} × {world} ranks; use {hint}"
+        )
+    return BatchPlan(micro_batch, seqs // per_step, world, seq_len)
+
+
+@lru_cache(maxsize=4)
+def epoch_order(n: int, seed: int, epoch: int):
+    """A seeded permutation of the n sequences for one pass over the data."""
+    import torch
+
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def rank_indices(plan: BatchPlan, n: int, seed: int, step: int, micro: int, rank: int):
+    """Indices (into the n training sequences) that `rank` reads at optimizer step `step`, micro step `micro`."""
+    import torch
+
+    g = plan.sequences_per_step
+    start = step * g + (micro * plan.world + rank) * plan.micro_batch
+    pos = torch.arange(start, start + plan.micro_batch)
+    epochs, within = pos // n, pos % n
+    return torch.stack([epoch_order(n, seed, int(e))[int(w)] for e, w in zip(epochs, within)])

@@ -1,0 +1,118 @@
+"""The training recipe's configuration: a validated dataclass, read from a recipe YAML and
+overridden from the command line (`--key value`, same names with dashes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError, HfscaleError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "tiny-gemma3"  # built-in name, local transformers dir, or hub name (online)
+    data: str = "builtin"  # builtin | .txt / .jsonl / .json / .parquet file
+    validation: str | None = None  # separate held-out file; default: 5% of data (builtin has its own split)
+    seq_len: int = 128
+    global_batch_tokens: int = 8192  # tokens per optimizer step over all ranks
+    micro_batch: int = 4  # sequences per rank per forward pass
+    max_steps: int = 100
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr x this
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # plain loops; DeepSpeed takes gradient_clipping from its JSON
+    checkpointing: str = "off"  # off | full | every:K | auto (every ~sqrt(layers)-th layer)
+    eval_every: int = 50
+    eval_blocks: int = 64  # held-out sequences per evaluation
+    save_every: int = 50  # 0 = no intermediate checkpoints
+    keep_last: int = 2
+    output_dir: str = "runs/train_clm"
+    resume: str | None = None  # "latest" or a checkpoint directory
+    seed: int = 0
+    log_every: int = 1
+    doctor: bool = True  # run hfscale doctor's checks on the launch config first
+    max_train_blocks: int = 0  # 0 = all packed training sequences
+    progress: bool = True
+    extra: dict = field(default_factory=dict, compare=False)  # recipe YAML notes (ignored)
+
+    def __post_init__(self):
+        for name in ("seq_len", "global_batch_tokens", "micro_batch", "max_steps", "eval_blocks", "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        for name in ("eval_every", "save_every", "warmup_steps", "max_train_blocks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0 (got {self.lr})")
+        if self.global_batch_tokens % self.seq_len:
+            raise ConfigError(
+                f"global_batch_tokens {self.global_batch_tokens:,} is not a multiple of seq_len {self.seq_len}; "
+                f"use {max(1, self.global_batch_tokens // self.seq_len) * self.seq_len:,} or another multiple"
+            )
+        if self.checkpointing != "auto":
+            from ..scale.spec import parse_checkpointing
+
+            parse_checkpointing(self.checkpointing)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
+
+
+def _coerce(name: str, value):
+    f = FIELDS[name]
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and "None" in kind):
+        return None
+    try:
+        if kind.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if kind.startswith("int"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        if kind.startswith("float"):
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: {value!r} is not a valid {kind.split(' ')[0]}") from None
+    return str(value)
+
+
+def load_recipe(path: str | None, overrides: dict | None = None) -> TrainConfig:
+    """A TrainConfig from a recipe YAML (unknown keys refused, with a suggestion) plus overrides."""
+    import difflib
+
+    import yaml
+
+    values: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise HfscaleError(f"recipe config {path} not found; pass an existing YAML (see recipes/*/)")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise HfscaleError(f"{path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise HfscaleError(f"{path} must hold a mapping of recipe settings")
+        values.update(loaded)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for key in values:
+        if key not in FIELDS and key != "extra":
+            near = difflib.get_close_matches(key, FIELDS, n=1)
+            raise ConfigError(f"unknown recipe setting {key!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+    return TrainConfig(**{k: (_coerce(k, v) if k in FIELDS else v) for k, v in values.items()})
+
+
+def add_override_args(parser) -> None:
+    """`--seq-len 256`-style overrides for every TrainConfig field (strings, coerced by load_recipe)."""
+    for name in FIELDS:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="V")

@@ -1,0 +1,51 @@
+"""Per-step metrics: peak memory (CUDA peak on GPU, process peak RSS on CPU) and a JSONL log."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "peak_rss"  # Linux reports KiB
+
+
+class MetricsLog:
+    """Append-only JSONL (one object per line, flushed each write). After a resume, readers take the
+    last record per step: `read_losses` does."""
+
+    def __init__(self, path: str | os.PathLike, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+def read_records(path: str | os.PathLike, kind: str = "train") -> dict[int, dict]:
+    """step -> the last record of `kind` for that step (a resumed run rewrites the steps it redoes)."""
+    out: dict[int, dict] = {}
+    p = Path(path)
+    if not p.is_file():
+        return out
+    for line in p.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if r.get("kind") == kind:
+            out[int(r["step"])] = r
+    return out

@@ -1,0 +1,280 @@
+"""recipes/train_clm.py and hfscale.train: batch arithmetic, data order, checkpointing, recipe
+configs, bad input (one line, exit 2, nothing written), and — under real `accelerate launch` with
+2 processes — DDP / ZeRO-2 / ZeRO-3 training, resume after kill -9, kill during a save, and the
+consolidated save reloading to the live model's eval loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hfscale.errors import ConfigError
+from hfscale.train.activation import checkpointed_layers, resolve
+from hfscale.train.batching import plan_batch, rank_indices
+from hfscale.train.config import TrainConfig, load_recipe
+from hfscale.train.metrics import read_records
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "train_clm.py"
+TINY_YAML = ROOT / "recipes" / "tiny" / "train.yaml"
+# short runs: 2 micro x 2 accum x 2 ranks x 64 tokens = 512 tokens/step
+FAST = ["--seq-len", "64", "--global-batch-tokens", "512", "--micro-batch", "2", "--eval-blocks", "8",
+        "--eval-every", "0", "--progress", "false", "--max-train-blocks", "400", "--warmup-steps", "2"]
+
+
+# --- batch arithmetic and data order ------------------------------------------------------------
+
+def test_batch_plan_arithmetic():
+    p = plan_batch(32_768, 512, 2, 4)
+    assert (p.micro_batch, p.accum, p.world) == (4, 8, 2)
+    assert p.arithmetic() == "4 micro × 8 accum × 2 ranks × 512 = 32,768 tokens/step"
+    assert p.tokens_per_step == 32_768
+
+
+@pytest.mark.parametrize("tokens,seq,world,micro,needle", [
+    (1000, 128, 1, 1, "whole number"),
+    (3 * 128, 128, 2, 1, "does not divide"),
+    (8 * 128, 128, 3, 2, "does not divide"),
+])
+def test_batch_plan_refuses(tokens, seq, world, micro, needle):
+    with pytest.raises(ConfigError, match=needle):
+        plan_batch(tokens, seq, world, micro)
+
+
+def test_rank_indices_disjoint_complete_deterministic():
+    p = plan_batch(16 * 64, 64, 2, 2)  # 16 sequences per step: 2 micro x 4 accum x 2 ranks
+    n = 40
+    for step in range(5):  # crosses an epoch boundary at step 2.5
+        got = [rank_indices(p, n, 7, step, a, r).tolist() for a in range(p.accum) for r in range(2)]
+        flat = [i for g in got for i in g]
+        assert len(flat) == 16
+        if step < 2:
+            assert len(set(flat)) == 16  # within one epoch no sequence repeats in a step
+        assert all(0 <= i < n for i in flat)
+    # a pure function of (seed, step): a resumed run reads what the uninterrupted one did
+    assert rank_indices(p, n, 7, 3, 1, 1).tolist() == rank_indices(p, n, 7, 3, 1, 1).tolist()
+    assert rank_indices(p, n, 7, 3, 1, 1).tolist() != rank_indices(p, n, 8, 3, 1, 1).tolist()
+    # one epoch's steps cover every sequence exactly once
+    p2 = plan_batch(8 * 64, 64, 2, 2)
+    seen = [i for s in range(5) for a in range(p2.accum) for r in range(2) for i in rank_indices(p2, 40, 0, s, a, r).tolist()]
+    assert sorted(seen) == list(range(40))
+
+
+# --- activation checkpointing --------------------------------------------------------------------
+
+def test_checkpointing_modes():
+    assert resolve("auto", 26) == "every:5" and resolve("auto", 4) == "every:2" and resolve("every:1", 8) == "full"
+    assert checkpointed_layers("every:3", 8) == [0, 3, 6]
+    assert checkpointed_layers("full", 4) == [0, 1, 2, 3] and checkpointed_layers("off", 4) == []
+
+
+def test_checkpointing_saves_memory_and_keeps_gradients():
+    """Fewer bytes saved for backward as more layers are checkpointed, and the same gradients."""
+    import torch
+
+    from hfscale.models import TINY, build_model
+    from hfscale.plan.measure import saved_activation_bytes
+    from hfscale.train.activation import apply_checkpointing_
+
+    ids = torch.randint(4, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
+    measured, grads = {}, {}
+    for mode in ("off", "every:2", "full"):
+        model = build_model(TINY, seed=0)
+        model.train()
+        assert apply_checkpointing_(model, mode) == checkpointed_layers(mode, 4)
+        measured[mode] = saved_activation_bytes(model, ids, ids)
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert measured["off"] > measured["every:2"] > measured["full"]
+    for mode in ("every:2", "full"):
+        assert torch.allclose(grads[mode], grads["off"], rtol=1e-4, atol=1e-6)
+
+
+# --- recipe configs --------------------------------------------------------------------------------
+
+def recipe_yamls():
+    return sorted((ROOT / "recipes").glob("*/*.yaml"))
+
+
+def test_recipe_yamls_parse_and_name_their_launch():
+    assert len(recipe_yamls()) >= 5
+    families = {p.parent.name for p in recipe_yamls()}
+    assert {"tiny", "gemma3", "gemma4"} <= families
+    for path in recipe_yamls():
+        first = path.read_text().splitlines()[0]
+        m = re.match(r"# accelerate launch --config_file (\S+) .*recipes/(\S+\.py) --config (\S+)", first)
+        assert m, f"{path}: first line must be the launch command, got {first!r}"
+        assert (ROOT / m.group(1)).is_file(), f"{path}: {m.group(1)} does not exist"
+        assert (ROOT / "recipes" / m.group(2)).is_file()
+        assert m.group(3) == str(path.relative_to(ROOT))
+        if m.group(2) == "train_clm.py":
+            cfg = load_recipe(str(path))
+            assert cfg.global_batch_tokens % cfg.seq_len == 0
+
+
+def test_recipe_config_errors():
+    with pytest.raises(ConfigError, match="did you mean 'seq_len'"):
+        load_recipe(None, {"seq_lenght": 5})
+    with pytest.raises(ConfigError, match="not a valid int"):
+        load_recipe(None, {"max_steps": "ten"})
+    with pytest.raises(ConfigError, match="multiple of seq_len"):
+        TrainConfig(seq_len=100, global_batch_tokens=1024)
+    assert load_recipe(None, {"lr": "3e-4", "doctor": "false"}).lr == 3e-4
+
+
+# --- bad input: one line, exit 2, nothing written ---------------------------------------------------
+
+def run_recipe(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, str(RECIPE), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=600)
+
+
+@pytest.mark.parametrize("extra,env,needle", [
+    (["--data", "nope/train.jsonl"], {}, "not found"),
+    (["--seq-len", "4096", "--global-batch-tokens", "8192"], {}, "longer than tiny-gemma3 supports (2048)"),
+    (["--global-batch-tokens", "384"], {"WORLD_SIZE": "2"}, "does not divide"),
+    (["--model", "no-such-model"], {}, "built-in name"),
+    (["--resume", "not/a/checkpoint"], {}, "not a complete hfscale checkpoint"),
+    (["--checkpointing", "some"], {}, "every:K"),
+])
+def test_bad_input_one_line_exit_2(tmp_path, extra, env, needle):
+    out = tmp_path / "run"
+    r = run_recipe("--config", TINY_YAML, "--output-dir", out, *FAST, *extra, env=env)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("train_clm")]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """A real 2-step run in one process: the checkpoint the resume-refusal tests need."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    r = run_recipe("--config", TINY_YAML, "--output-dir", out, *FAST, "--max-steps", "2", "--save-every", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def test_existing_run_needs_resume_or_force(one_process_run):
+    before = sorted(p.name for p in one_process_run.rglob("*"))
+    r = run_recipe("--config", TINY_YAML, "--output-dir", one_process_run, *FAST, "--max-steps", "2")
+    assert r.returncode == 2 and "--resume latest" in r.stderr and "--force" in r.stderr
+    assert sorted(p.name for p in one_process_run.rglob("*")) == before
+
+
+def test_resume_from_a_different_model_refused(one_process_run, tmp_path):
+    from hfscale.models import tiny_config
+
+    other = tiny_config()
+    other.num_hidden_layers, other.layer_types = 2, ["sliding_attention", "full_attention"]
+    other.save_pretrained(tmp_path / "other")  # a config-only model dir; nothing is trained
+    r = run_recipe("--config", TINY_YAML, "--output-dir", one_process_run, *FAST, "--model", tmp_path / "other",
+                   "--resume", "latest")
+    assert r.returncode == 2
+    assert "different model" in r.stderr and "'num_hidden_layers': (4, 2)" in r.stderr
+
+
+# --- real launches: 2 processes ----------------------------------------------------------------------
+
+def launch(config: str, out: Path, *args, env=None, check=True):
+    from hfscale.proof import free_port
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
+           "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
+           str(RECIPE), "--config", str(TINY_YAML), "--output-dir", str(out), *FAST, *map(str, args)]
+    log = out.parent / f"{out.name}.log"
+    with open(log, "a") as f:  # a file, not a pipe: a full pipe can stall a multi-process launch
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}).returncode
+    if check:
+        assert rc == 0, log.read_text()[-3000:]
+    return rc, log.read_text()
+
+
+def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hfscale.corpus import load_text, packed_blocks
+    from hfscale.models import TINY, load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    val = packed_blocks(load_tokenizer(TINY), load_text()["validation"]["text"], seq_len)[:blocks]
+    with torch.no_grad():
+        losses = [model(input_ids=val[i : i + micro], labels=val[i : i + micro]).loss.item() for i in range(0, blocks, micro)]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("config,distributed", [("ddp.yaml", "MULTI_CPU"), ("zero2.yaml", "DEEPSPEED"),
+                                                 ("zero3.yaml", "DEEPSPEED")])
+def test_recipe_trains_saves_and_reloads(tmp_path, config, distributed):
+    out = tmp_path / "run"
+    _, log = launch(config, out, "--max-steps", "6", "--save-every", "3", "--keep-last", "1")
+    assert f"DistributedType.{distributed} world 2: 2 micro × 2 accum × 2 ranks × 64 = 512 tokens/step" in log
+    train = read_records(out / "metrics.jsonl")
+    assert sorted(train) == [1, 2, 3, 4, 5, 6]
+    assert train[6]["loss"] < train[1]["loss"] - 0.3  # it learns (lr 3e-3: ~8.3 -> ~7)
+    assert all(r["peak_mem_bytes"] > 0 and r["tokens_per_s"] > 0 for r in train.values())
+    # keep_last 1: only the newest checkpoint survives, complete, nothing partial
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000006"]
+    # the consolidated save is the whole model (ZeRO-3: gathered from both ranks) and reloads
+    from hfscale.train.state import saved_numel
+
+    assert saved_numel(out / "model")[0] == 3_001_920
+    final = read_records(out / "metrics.jsonl", "eval")[6]
+    # live model (bf16 under DeepSpeed, autocast under DDP, ranks' shares) vs reloaded: measured
+    # |delta| <= 5e-5; 1e-3 still catches a wrong or partial save (those move the loss by > 0.1)
+    assert abs(eval_loss_of_saved(out / "model") - final["loss"]) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2")
+    return read_records(out / "metrics.jsonl")
+
+
+def assert_same_trajectory(resumed: dict, reference: dict):
+    assert sorted(resumed) == sorted(reference) == list(range(1, 9))
+    for s in range(1, 9):
+        # same data (a function of the step), restored fp32 master weights, Adam moments and RNG:
+        # measured identical to ~1e-6; 1e-4 is far below one step's change (~0.1)
+        assert abs(resumed[s]["loss"] - reference[s]["loss"]) < 1e-4, (s, resumed[s]["loss"], reference[s]["loss"])
+
+
+@pytest.mark.engine
+def test_resume_after_kill_9_of_one_rank(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    rc, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2",
+                     env={"HFSCALE_FAULT": "kill@step:5:1"}, check=False)  # SIGKILL rank 1 after step 5
+    assert rc != 0
+    assert max(read_records(out / "metrics.jsonl")) in (5, 6)  # rank 0 may log one more step before it notices
+    assert [p.name for p in sorted((out / "checkpoints").iterdir()) if not p.name.endswith(".partial")] == \
+        ["step_00000002", "step_00000004"]
+    _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest")
+    assert "resumed from" in log and "at step 4" in log
+    assert_same_trajectory(read_records(out / "metrics.jsonl"), uninterrupted)
+
+
+@pytest.mark.engine
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    rc, _ = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2",
+                   env={"HFSCALE_FAULT": "kill@save:6:1"}, check=False)  # rank 1 dies after writing its shard
+    assert rc != 0
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_00000002", "step_00000004", "step_00000006.partial"]
+    assert json.loads((out / "checkpoints" / "step_00000004" / "hfscale_state.json").read_text())["step"] == 4
+    _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest")
+    assert "removed the interrupted save step_00000006.partial" in log and "at step 4" in log
+    assert_same_trajectory(read_records(out / "metrics.jsonl"), uninterrupted)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
