@@ -206,12 +206,13 @@ def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
                 optimizer.step()
                 optimizer.zero_grad()
             step_loss += loss.detach().double() / plan.accum
-        # mean over this rank's micro batches, then over ranks = the global-batch loss
-        step_loss = float(accelerator.reduce(step_loss, reduction="mean"))
+        # one collective per step: every rank's mean loss (-> the global-batch loss) and its peak memory
+        peak, kind = peak_memory_bytes()
+        mine = torch.stack([step_loss, torch.tensor(float(peak), dtype=torch.float64, device=step_loss.device)])
+        every = accelerator.gather(mine.unsqueeze(0))
+        step_loss, peak = float(every[:, 0].mean()), int(every[:, 1].max())
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.max_steps:
-            peak, kind = peak_memory_bytes()
-            peak = int(accelerator.gather(torch.tensor([peak], device=accelerator.device)).max())
             dt = time.perf_counter() - t0
             log.write({"kind": "train", "step": done, "loss": step_loss, "lr": lr_at(step, cfg),
                        "tokens_per_s": plan.tokens_per_step / dt, "step_s": dt, "peak_mem_bytes": peak, "mem": kind,
