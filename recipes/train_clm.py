@@ -191,7 +191,7 @@ def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
     model.train()
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", disable=not (main_rank and cfg.progress))
     for step in range(start, cfg.max_steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -213,9 +213,9 @@ def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
         step_loss, peak = float(every[:, 0].mean()), int(every[:, 1].max())
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.max_steps:
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             log.write({"kind": "train", "step": done, "loss": step_loss, "lr": lr_at(step, cfg),
-                       "tokens_per_s": plan.tokens_per_step / dt, "step_s": dt, "peak_mem_bytes": peak, "mem": kind,
+                       "tokens_per_s": plan.tokens_per_step / dt, "step_s": dt, "cpu_s": cpu, "peak_mem_bytes": peak, "mem": kind,
                        "tokens_seen": done * plan.tokens_per_step})
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.3f}")

@@ -36,9 +36,9 @@ model = build_model(TINY, seed=0)
 optimizer = make_optimizer(accelerator, model, lr=args.lr)
 model, optimizer = accelerator.prepare(model, optimizer)
 model.train()
-times = []
+times, cpu = [], []
 for step in range(args.steps):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for micro in range(args.accum):
         batch = blocks[rank_indices(plan, len(blocks), 0, step, micro, accelerator.process_index)]
         with accelerator.accumulate(model):
@@ -47,7 +47,8 @@ for step in range(args.steps):
             optimizer.step()
             optimizer.zero_grad()
     times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
 if accelerator.is_main_process:
-    print("HAND_LOOP " + json.dumps({"step_s": times, "tokens_per_step": plan.tokens_per_step,
+    print("HAND_LOOP " + json.dumps({"step_s": times, "cpu_s": cpu, "tokens_per_step": plan.tokens_per_step,
                                       "world": accelerator.num_processes, "pid": os.getpid()}))
 accelerator.end_training()
