@@ -31,6 +31,8 @@ def load_text(data: str = BUILTIN_CORPUS, validation: str | None = None):
     if data == BUILTIN_CORPUS:
         files = corpus_files()
         builder = "json"
+    elif _looks_like_hub_name(data) and not Path(data).exists():
+        return _load_hub(data)
     else:
         files = {"train": data}
         if validation:
@@ -48,6 +50,32 @@ def load_text(data: str = BUILTIN_CORPUS, validation: str | None = None):
     if "validation" not in ds:
         ds = ds["train"].train_test_split(test_size=0.05, seed=0)
         ds = datasets.DatasetDict(train=ds["train"], validation=ds["test"])
+    return ds
+
+
+def _looks_like_hub_name(data: str) -> bool:
+    name = Path(data).name
+    return data.count("/") == 1 and not data.startswith((".", "/")) and "." not in name
+
+
+def _load_hub(name: str):
+    """A hub dataset with a "text" column (network needed); validation split or 5% held out."""
+    import os
+
+    import datasets
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+        raise HfscaleError(f"{name} looks like a hub dataset but HF_HUB_OFFLINE is set; use a local .txt/.jsonl/.parquet "
+                           "file or 'builtin', or unset HF_HUB_OFFLINE")
+    try:
+        ds = datasets.load_dataset(name)
+    except Exception as e:  # hub errors come in many types; the user needs the first line
+        raise HfscaleError(f"cannot load dataset {name} from the hub ({str(e).splitlines()[0][:160]})") from None
+    if "text" not in ds["train"].column_names:
+        raise HfscaleError(f"{name} has no 'text' column (columns: {ds['train'].column_names})")
+    if "validation" not in ds:
+        split = ds["train"].train_test_split(test_size=0.05, seed=0)
+        ds = datasets.DatasetDict(train=split["train"], validation=split["test"])
     return ds
 
 

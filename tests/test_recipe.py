@@ -278,3 +278,12 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
     assert "removed the interrupted save step_00000006.partial" in log and "at step 4" in log
     assert_same_trajectory(read_records(out / "metrics.jsonl"), uninterrupted)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
+
+
+def test_hub_dataset_name_offline_is_one_clear_error(monkeypatch):
+    from hfscale.corpus import load_text
+    from hfscale.errors import HfscaleError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HfscaleError, match="looks like a hub dataset but HF_HUB_OFFLINE is set"):
+        load_text("wikitext/wikitext-2")
