@@ -1,0 +1,38 @@
+"""Edge export: GGUF for llama.cpp and ExecuTorch .pte, each verified in its own runtime.
+
+FORMATS drives `hfscale quantize --format`: each entry has `.qtypes`, `.default_qtype` and
+`.export(model, out, qtype, force, **options) -> dict` (the sidecar record, printed as JSON).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .artifacts import export_gguf, export_pte
+from .gguf import QTYPES as GGUF_QTYPES
+from .pte import QTYPES as PTE_QTYPES
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    qtypes: tuple[str, ...]
+    default_qtype: str
+    export: Callable[..., dict]
+    runtime: str
+
+
+FORMATS: dict[str, Format] = {
+    "gguf": Format("gguf", GGUF_QTYPES, "Q4_0", export_gguf, "llama.cpp"),
+    "pte": Format("pte", PTE_QTYPES, "8da4w", export_pte, "executorch.runtime (XNNPACK)"),
+}
+
+
+def demo_step(model_dir, out_dir) -> str:
+    from .demo import demo_step as _demo
+
+    return _demo(model_dir, out_dir)
+
+
+__all__ = ["FORMATS", "Format", "demo_step", "export_gguf", "export_pte"]

@@ -1,0 +1,101 @@
+"""The two export entry points behind FORMATS: validate everything first (nothing is written on
+bad input), build, verify in the target runtime, then move the artifact into place and write its
+sidecar. The artifact is staged under a hidden name in the output directory and renamed only
+after it loaded and ran, so `out` never holds a half-written or unverified file."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ..atomic import check_writable
+from ..errors import HfscaleError
+from . import evalset as E
+from .sidecar import sidecar_path, source_info, write_sidecar
+
+
+def _prepare(model: str, out, force: bool):
+    out = Path(out)
+    check_writable([out, sidecar_path(out)], force)
+    if out.exists() and out.is_dir():
+        raise HfscaleError(f"{out} is a directory; give a file path for --out")
+    from ..models import load_config
+
+    return out, load_config(model)
+
+
+def _staging(out: Path) -> Path:
+    return out.parent / f".{out.name}.staging{out.suffix}"
+
+
+def _load(model: str):
+    import torch
+
+    from ..models import build_model, load_tokenizer
+
+    return build_model(model, dtype=torch.float32).eval(), load_tokenizer(model)
+
+
+def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed_qtype: str | None = None,
+                verify: bool = True, evalset: E.EvalSet = E.EvalSet(), progress: bool = True) -> dict:
+    from .gguf import GGUFOptions, check_supported, write_gguf
+
+    opts = GGUFOptions(qtype, embed_qtype)
+    out, cfg = _prepare(model, out, force)
+    check_supported(cfg)
+    m, tok = _load(model)
+    stage = _staging(out)
+    t0 = time.perf_counter()
+    try:
+        counts = write_gguf(m, tok, stage, opts, name=str(model), progress=progress)
+        seconds = time.perf_counter() - t0
+        rec = {"format": "gguf", "source": source_info(model, m),
+               "scheme": {"qtype": opts.qtype, "token_embedding_qtype": opts.embedding, "tensor_types": counts,
+                          "norms": "F32, stored as 1 + w (Gemma RMSNorm)"},
+               "export_seconds": seconds}
+        if verify:
+            from .verify_llama import verify_gguf, verify_transformers_reload
+
+            rec["verification"] = verify_gguf(stage, m, tok, evalset, progress=progress)
+            rec["verification"]["transformers_gguf_reload"] = verify_transformers_reload(stage, m, tok, evalset)
+        os.replace(stage, out)
+    finally:
+        stage.unlink(missing_ok=True)
+    write_sidecar(out, rec)
+    return {"out": str(out), "bytes": out.stat().st_size, **rec}
+
+
+def export_pte(model: str, out, qtype: str = "8da4w", force: bool = False, max_seq_len: int = 128,
+               verify: bool = True, n_generate: int = 16, evalset: E.EvalSet | None = None,
+               progress: bool = True) -> dict:
+    import copy
+
+    from .pte import check_supported, decode_module, lower_to_pte, quantize_8da4w_, verify_pte
+
+    out, cfg = _prepare(model, out, force)
+    check_supported(cfg, qtype)
+    es = evalset or E.EvalSet(prompt_tokens=min(96, max_seq_len), seq_len=max_seq_len)
+    if max(es.prompt_tokens, es.seq_len) > max_seq_len or 16 + n_generate > max_seq_len:
+        raise HfscaleError(f"max_seq_len={max_seq_len} is shorter than the verification sequences; raise it")
+    fp32, tok = _load(model)
+    same = copy.deepcopy(fp32)
+    if qtype == "8da4w":
+        quantize_8da4w_(same)
+    stage = _staging(out)
+    t0 = time.perf_counter()
+    try:
+        lower_to_pte(decode_module(same, max_seq_len), stage)
+        seconds = time.perf_counter() - t0
+        rec = {"format": "pte", "source": source_info(model, fp32),
+               "scheme": {"qtype": qtype, "backend": "XNNPACK", "max_seq_len": max_seq_len,
+                          "method": "forward(input_ids[1,1], cache_position[1]) -> logits, KV cache in-program",
+                          "linear": "int8 dynamic activations, int4 weights group 32" if qtype == "8da4w" else "fp32"},
+               "export_seconds": seconds}
+        if verify:
+            rec["verification"] = verify_pte(stage, same, fp32, tok, es, n_generate, progress=progress)
+        os.replace(stage, out)
+    finally:
+        stage.unlink(missing_ok=True)
+    write_sidecar(out, rec)
+    return {"out": str(out), "bytes": out.stat().st_size, **rec}

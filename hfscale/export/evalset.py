@@ -1,0 +1,75 @@
+"""The held-out texts every runtime check uses: a prompt set and a perplexity slice.
+
+Both come from the built-in corpus's validation split (never trained on), so agreement and
+perplexity numbers are comparable across formats, qtypes and runtimes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    n_prompts: int = 8
+    prompt_tokens: int = 96  # > the tiny model's 64-token sliding window, so SWA is exercised
+    ppl_blocks: int = 8
+    seq_len: int = 128
+
+    def __post_init__(self):
+        if min(self.n_prompts, self.prompt_tokens, self.ppl_blocks, self.seq_len) < 1:
+            raise ValueError("EvalSet sizes must all be >= 1")
+
+
+def prompt_texts(es: EvalSet) -> list[str]:
+    from ..corpus import load_text
+
+    val = load_text()["validation"]["text"]
+    return [t for t in val if len(t) > 200][: es.n_prompts]
+
+
+def prompt_ids(tokenizer, es: EvalSet) -> list[list[int]]:
+    """bos + the first tokens of each held-out document (the tokenizer's own special tokens)."""
+    return [tokenizer(t).input_ids[: es.prompt_tokens] for t in prompt_texts(es)]
+
+
+def ppl_blocks(tokenizer, es: EvalSet):
+    from ..corpus import load_text, packed_blocks
+
+    val = load_text()["validation"]["text"]
+    return packed_blocks(tokenizer, val, es.seq_len)[: es.ppl_blocks]
+
+
+def nll_from_logits(logits, ids) -> tuple[float, int]:
+    """Summed next-token NLL of ids[1:] under logits[:-1] (numpy or torch), and the count."""
+    import torch
+
+    lg = torch.as_tensor(logits, dtype=torch.float32)[:-1]
+    tgt = torch.as_tensor(ids, dtype=torch.long)[1:]
+    return float(torch.nn.functional.cross_entropy(lg, tgt, reduction="sum")), int(tgt.numel())
+
+
+def ppl(total_nll: float, n: int) -> float:
+    return math.exp(total_nll / n)
+
+
+def eager_logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def compare(ref, got) -> dict:
+    """max|Δlogit| and top-1 agreement over every position of one sequence."""
+    import numpy as np
+
+    return {"max_abs_dlogit": float(np.abs(ref - got).max()),
+            "top1_agree": int((ref.argmax(-1) == got.argmax(-1)).sum()), "positions": int(ref.shape[0])}
+
+
+def merge(rows: list[dict]) -> dict:
+    n = sum(r["positions"] for r in rows)
+    return {"max_abs_dlogit": max(r["max_abs_dlogit"] for r in rows),
+            "top1_agreement": sum(r["top1_agree"] for r in rows) / n, "positions": n}

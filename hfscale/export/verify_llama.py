@@ -1,0 +1,96 @@
+"""Check a GGUF file in llama.cpp itself (llama-cpp-python builds it from source) against the
+transformers model it came from: tokenizer agreement, next-token logits / top-1 on the prompt
+set, perplexity on the held-out slice; and, where transformers reads the architecture back from
+GGUF, the logits of that reload."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from . import evalset as E
+
+
+@contextmanager
+def open_llama(path: Path, n_ctx: int):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, verbose=False,
+                          n_threads=2, seed=0)
+    try:
+        yield llm
+    finally:
+        llm.close()
+
+
+def llama_logits(llm, ids):
+    import numpy as np
+
+    llm.reset()
+    llm.eval(list(ids))
+    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+
+
+def check_tokenizer(llm, tokenizer, texts) -> dict:
+    """Fraction of texts llama.cpp tokenizes exactly as transformers does (bos included)."""
+    same = [llm.tokenize(t.encode("utf-8"), add_bos=True, special=False) == tokenizer(t).input_ids
+            for t in texts]
+    return {"texts": len(same), "identical": sum(same)}
+
+
+def verify_gguf(path: Path, model, tokenizer, es: E.EvalSet = E.EvalSet(), progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    prompts = E.prompt_ids(tokenizer, es)
+    blocks = E.ppl_blocks(tokenizer, es)
+    out: dict = {"runtime": "llama.cpp (llama-cpp-python)"}
+    with open_llama(path, n_ctx=max(es.seq_len, es.prompt_tokens)) as llm:
+        out["tokenizer"] = check_tokenizer(llm, tokenizer, E.prompt_texts(es))
+        rows = [E.compare(E.eager_logits(model, p), llama_logits(llm, p))
+                for p in tqdm(prompts, desc="llama.cpp logits", disable=not progress)]
+        out["vs_transformers"] = E.merge(rows)
+        nll_rt = nll_ref = 0.0
+        n = 0
+        for b in tqdm(blocks.tolist(), desc="llama.cpp perplexity", disable=not progress):
+            a, k = E.nll_from_logits(llama_logits(llm, b), b)
+            r, _ = E.nll_from_logits(E.eager_logits(model, b), b)
+            nll_rt, nll_ref, n = nll_rt + a, nll_ref + r, n + k
+    out["perplexity"] = E.ppl(nll_rt, n)
+    out["perplexity_transformers_fp32"] = E.ppl(nll_ref, n)
+    out["perplexity_tokens"] = n
+    out["llama_cpp_version"] = _version()
+    return out
+
+
+def verify_transformers_reload(path: Path, model, tokenizer, es: E.EvalSet = E.EvalSet()) -> dict:
+    """Load the GGUF back with transformers (it dequantizes to fp32) and compare logits.
+
+    transformers 5.24 maps only part of gemma3's GGUF metadata to its config: it ignores the
+    per-layer `sliding_window_pattern` (every layer becomes sliding) and leaves
+    `query_pre_attn_scalar` at its default 256. So it is measured twice: as transformers reads
+    it, and with the source config (the weights alone, as dequantized from the file).
+    """
+    from transformers import AutoModelForCausalLM
+
+    prompts = E.prompt_ids(tokenizer, es)
+    out: dict = {}
+    for label, kw in (("as_read", {}), ("source_config", {"config": model.config})):
+        try:
+            back = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw).eval()
+        except Exception as e:  # a second, optional reader: report, do not fail the export
+            out[label] = {"loaded": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            continue
+        rows = [E.compare(E.eager_logits(model, p), E.eager_logits(back, p)) for p in prompts]
+        out[label] = {"loaded": True, **E.merge(rows)}
+        if label == "as_read":
+            out[label]["config_differences"] = {
+                k: [getattr(model.config, k, None), getattr(back.config, k, None)]
+                for k in ("layer_types", "query_pre_attn_scalar", "sliding_window", "head_dim")
+                if getattr(model.config, k, None) != getattr(back.config, k, None)}
+    return out
+
+
+def _version() -> str:
+    import llama_cpp
+
+    return llama_cpp.__version__
