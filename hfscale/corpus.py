@@ -30,26 +30,36 @@ def load_text(data: str = BUILTIN_CORPUS, validation: str | None = None):
 
     if data == BUILTIN_CORPUS:
         files = corpus_files()
-        builder = "json"
-    elif _looks_like_hub_name(data) and not Path(data).exists():
+        return datasets.DatasetDict({k: _read_one(v, "json") for k, v in files.items()})
+    if _looks_like_hub_name(data) and not Path(data).exists():
         return _load_hub(data)
-    else:
-        files = {"train": data}
-        if validation:
-            files["validation"] = validation
-        for f in files.values():
-            if not Path(f).is_file():
-                raise HfscaleError(f"data file {f} not found; pass an existing .txt/.jsonl/.parquet file or 'builtin'")
-        name = Path(data).name.removesuffix(".gz")
-        builder = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(Path(name).suffix)
-        if builder is None:
-            raise HfscaleError(f"cannot read {data}: use a .txt, .jsonl, .json or .parquet file")
-    ds = datasets.load_dataset(builder, data_files=files)
-    if "text" not in ds["train"].column_names:
-        raise HfscaleError(f"{data} has no 'text' column (columns: {ds['train'].column_names})")
-    if "validation" not in ds:
-        ds = ds["train"].train_test_split(test_size=0.05, seed=0)
-        ds = datasets.DatasetDict(train=ds["train"], validation=ds["test"])
+    train = _read_one(data)
+    if validation:
+        return datasets.DatasetDict(train=train, validation=_read_one(validation))
+    split = train.train_test_split(test_size=0.05, seed=0)
+    return datasets.DatasetDict(train=split["train"], validation=split["test"])
+
+
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def _read_one(path: str, builder: str | None = None):
+    """One local file as a `datasets.Dataset` with a "text" column; every failure is one HfscaleError line."""
+    import datasets
+
+    if not Path(path).is_file():
+        raise HfscaleError(f"data file {path} not found; pass an existing .txt/.jsonl/.parquet file or 'builtin'")
+    builder = builder or BUILDERS.get(Path(Path(path).name.removesuffix(".gz")).suffix)
+    if builder is None:
+        raise HfscaleError(f"cannot read {path}: use a .txt, .jsonl, .json or .parquet file")
+    try:
+        ds = datasets.load_dataset(builder, data_files={"train": str(path)})["train"]
+    except Exception as e:  # pyarrow / datasets raise many types for a malformed file
+        cause = e.__cause__ or e
+        raise HfscaleError(f"cannot read {path} as {builder} ({str(cause).splitlines()[0][:160]}); "
+                           "check the file's format matches its extension") from None
+    if "text" not in ds.column_names:
+        raise HfscaleError(f"{path} has no 'text' column (columns: {ds.column_names})")
     return ds
 
 

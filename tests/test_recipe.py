@@ -157,10 +157,36 @@ def test_bad_input_one_line_exit_2(tmp_path, extra, env, needle):
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     """A real 2-step run in one process: the checkpoint the resume-refusal tests need."""
-    out = tmp_path_factory.mktemp("single") / "run"
-    r = run_recipe("--config", TINY_YAML, "--output-dir", out, *FAST, "--max-steps", "2", "--save-every", "2")
+    from hfscale.corpus import load_text
+
+    base = tmp_path_factory.mktemp("single")
+    ds = load_text()  # the user's own files: jsonl train, parquet validation
+    ds["train"].select(range(300)).to_json(str(base / "train.jsonl"))
+    ds["validation"].to_parquet(str(base / "val.parquet"))
+    out = base / "run"
+    r = run_recipe("--config", TINY_YAML, "--output-dir", out, *FAST, "--max-steps", "2", "--save-every", "2",
+                   "--data", base / "train.jsonl", "--validation", base / "val.parquet")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "1 ranks × 64 = 512 tokens/step" in r.stdout
     return out
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".parquet"])
+def test_local_data_formats(tmp_path, suffix):
+    import datasets
+
+    from hfscale.corpus import load_text
+
+    texts = [f"document {i} about the data model of Python objects." for i in range(40)]
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".txt":
+        path.write_text("\n".join(texts) + "\n")
+    else:
+        d = datasets.Dataset.from_dict({"text": texts})
+        d.to_json(str(path)) if suffix == ".jsonl" else d.to_parquet(str(path))
+    ds = load_text(str(path))
+    assert len(ds["train"]) + len(ds["validation"]) == 40 and len(ds["validation"]) == 2  # 5% held out
+    assert set(ds["train"]["text"]) | set(ds["validation"]["text"]) == set(texts)
 
 
 def test_existing_run_needs_resume_or_force(one_process_run):
@@ -287,3 +313,12 @@ def test_hub_dataset_name_offline_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(HfscaleError, match="looks like a hub dataset but HF_HUB_OFFLINE is set"):
         load_text("wikitext/wikitext-2")
+
+
+def test_malformed_data_file_one_line(tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"text": broken\n')
+    r = run_recipe("--config", TINY_YAML, "--output-dir", tmp_path / "run", *FAST, "--data", bad)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "cannot read" in r.stderr and "as json" in r.stderr
+    assert not (tmp_path / "run").exists()
