@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PIP) install -q -c requirements.lock transformers accelerate peft bitsandbytes datasets torchao
 	# deepspeed builds against the torch already installed (its own build env would pull another)
 	$(PIP) install -q --no-build-isolation -c requirements.lock deepspeed
+	# edge runtimes: GGUF writer, ExecuTorch (beside torch, not replacing it), llama.cpp via its Python binding
+	$(PIP) install -q -c requirements.lock gguf executorch
+	$(PIP) install -q -c requirements.lock llama-cpp-python
 	$(PIP) install -q -c requirements.lock -e ".[test]"
-	$(PY) -c "import torch, transformers, accelerate, deepspeed, peft, datasets, torchao, bitsandbytes; print('installed: torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
+	$(PY) -c "import torch, transformers, accelerate, deepspeed, peft, datasets, torchao, bitsandbytes, gguf, executorch, llama_cpp; print('installed: torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
 	touch $@
 
 demo: install
