@@ -322,3 +322,16 @@ def test_malformed_data_file_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "cannot read" in r.stderr and "as json" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_doctor_runs_first_and_stops_a_bad_launch(tmp_path):
+    """The launch's DeepSpeed JSON (as accelerate exports it to the ranks) is checked before any work."""
+    cfg = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False  # the tiny-checkpoint failure
+    bad = tmp_path / "zero3_nogather.json"
+    bad.write_text(json.dumps(cfg))
+    r = run_recipe("--config", TINY_YAML, "--output-dir", tmp_path / "run", *FAST,
+                   env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": str(bad)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "hfscale doctor" in r.stderr and "stage3_gather_16bit_weights_on_model_save" in r.stderr
+    assert not (tmp_path / "run").exists()
