@@ -7,7 +7,7 @@ import sys
 
 from ..errors import HfscaleError
 
-SUBCOMMANDS = ("config", "prove", "doctor", "plan", "slurm", "tiny", "demo")
+SUBCOMMANDS = ("config", "prove", "doctor", "plan", "quantize", "eval", "slurm", "tiny", "demo")
 
 
 class OneLineParser(argparse.ArgumentParser):

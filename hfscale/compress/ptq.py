@@ -1,0 +1,106 @@
+"""Post-training quantization: a model (built-in name, local dir, hub name) -> a quantized model in memory,
+ready for `save.save_model_dir` and for `evaluate`.
+
+torchao and bitsandbytes schemes load through `from_pretrained(..., quantization_config=...)`, the
+route transformers itself supports for saving and reloading. The calibrated scheme (gptq-int4wo)
+quantizes in memory from calibration batches and then carries the same torchao quantizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import HfscaleError
+from .schemes import QuantSpec, require_device, transformers_config
+
+
+@contextlib.contextmanager
+def source_dir(model: str):
+    """A transformers directory for `model`: itself, or a temp copy of a built-in model's seeded weights."""
+    from ..models import is_builtin, save_pretrained_dir
+
+    if not is_builtin(model):
+        yield model
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="hfscale-src-"))
+    try:
+        yield str(save_pretrained_dir(model, tmp / "model"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_float(src: str, dtype=None):
+    from ..models import build_model
+
+    model = build_model(src, dtype=dtype)
+    return model.eval()
+
+
+def quantize_model(src: str, spec: QuantSpec, calibration=None, dtype=None, progress: bool = True):
+    """The quantized model for directory/hub name `src`. `calibration`: int64 [n, seq] token blocks
+    (required by calibrated schemes, ignored by the others)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    require_device(spec.scheme)
+    if spec.scheme == "q4_0":
+        raise HfscaleError("q4_0 is a QAT grid (recipes/qat_clm.py --scheme q4_0); for a Q4_0 file use hfscale quantize --format gguf --qtype Q4_0")
+    if spec.info.calibrated:
+        if calibration is None:
+            raise HfscaleError(f"{spec.scheme} needs calibration data; pass --calibration builtin or a text file")
+        from .gptq import gptq_quantize_
+        from .save import attach_torchao_quantizer
+
+        model = load_float(src, dtype=dtype)
+        gptq_quantize_(model, spec, calibration, progress=progress)
+        attach_torchao_quantizer(model, transformers_config(spec))
+        return model
+    kwargs = {}
+    if spec.info.library == "bitsandbytes":
+        kwargs["device_map"] = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, quantization_config=transformers_config(spec), dtype=dtype,
+                                                     use_safetensors=True, trust_remote_code=False, **kwargs)
+    except (OSError, ValueError) as e:
+        from ..models import _not_found
+
+        raise HfscaleError(_not_found(src, e)) from None
+    if spec.info.library == "bitsandbytes":
+        keep_bnb_layout_(model)
+    return model.eval()
+
+
+def keep_bnb_layout_(model) -> int:
+    """Measured trap (bitsandbytes 0.50, CPU with AVX512-BF16): the first forward of a Linear4bit repacks
+    its weight bytes in place for a CPU kernel, and the inverse run by `save_pretrained` does not restore
+    them - the saved NF4 model's logits were 2.46 off the float model instead of 0.19. Keeping the
+    portable layout (the same kernel-free path bitsandbytes takes on other CPUs) makes save/reload exact."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def quantized_bytes_in_memory(model) -> int:
+    """Bytes the weights occupy in memory (quantized tensors count their int data and scales)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += _tensor_bytes(t, is_traceable_wrapper_subclass)
+    return total
+
+
+def _tensor_bytes(t, is_subclass) -> int:
+    if is_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n), is_subclass) for n in names if getattr(t, n) is not None)
+    return t.numel() * t.element_size()

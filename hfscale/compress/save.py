@@ -1,0 +1,59 @@
+"""Writing a quantized model as a transformers directory (safetensors) that `from_pretrained` reloads
+with the same logits, atomically (temp dir in the same parent + rename).
+
+Measured pitfall (FACTS.md; pytorch/ao #3800, #2230): `save_pretrained` on a model quantized in memory
+with `quantize_` (PTQ, QAT convert, GPTQ) fails with "Attempted to access the data pointer on an invalid
+python storage" - transformers only flattens torchao tensor subclasses into plain tensors + metadata
+when the model carries a torchao quantizer, which only `from_pretrained(quantization_config=...)`
+attaches. So we attach the same quantizer `from_pretrained` would have: the model then saves exactly
+like one loaded with TorchAoConfig, and its config.json records the quantization for the reload.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..atomic import check_writable
+from ..errors import HfscaleError
+
+
+def dir_bytes(path: str | Path) -> int:
+    """Bytes of the weight files in a transformers directory (what a download or a disk holds)."""
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def attach_torchao_quantizer(model, transformers_cfg) -> None:
+    """Make a `quantize_`-d model save like one loaded with `quantization_config=transformers_cfg`."""
+    from transformers.quantizers.quantizer_torchao import TorchAoHfQuantizer
+
+    model.config.quantization_config = transformers_cfg
+    model.hf_quantizer = TorchAoHfQuantizer(transformers_cfg)
+    model.is_quantized = True
+
+
+def save_model_dir(model, out: str | Path, tokenizer=None, force: bool = False, extra_files: dict | None = None) -> Path:
+    """save_pretrained(safe_serialization=True) into a temp dir beside `out`, then rename it into place.
+
+    Refuses before writing if `out` exists and force is off; a crash leaves `out` as it was.
+    """
+    out = Path(out)
+    check_writable([out], force)
+    if any(getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False) for p in model.parameters()):
+        raise HfscaleError("this bitsandbytes 4-bit model ran forward on CPU in its repacked layout, which does not save "
+                           "back correctly; load it with hfscale.compress.ptq.quantize_model (portable layout) and save it first")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)  # the directory appears whole or not at all
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
