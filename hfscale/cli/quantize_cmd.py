@@ -116,7 +116,7 @@ def _calibration(args, model_name: str):
 
 def _run_ptq(args) -> int:
     from ..atomic import check_writable
-    from ..compress.ptq import quantize_model, source_dir
+    from ..compress.ptq import source_dir
     from ..compress.schemes import SCHEMES, QuantSpec, require_device
     from ..errors import HfscaleError
     from ..models import load_config, load_tokenizer

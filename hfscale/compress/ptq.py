@@ -104,3 +104,13 @@ def _tensor_bytes(t, is_subclass) -> int:
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n), is_subclass) for n in names if getattr(t, n) is not None)
     return t.numel() * t.element_size()
+
+
+def ptq_in_memory(src: str, spec: QuantSpec, calibration=None):
+    """PTQ of `src` for the quality table. q4_0 (a QAT grid, not a torchao scheme) is llama.cpp's
+    round trip of the float weights: what a Q4_0 GGUF export of the untrained-for-it model computes."""
+    if spec.scheme != "q4_0":
+        return quantize_model(src, spec, calibration=calibration, progress=False)
+    from .qat import convert_qat_, prepare_qat_
+
+    return convert_qat_(prepare_qat_(load_float(src), spec), spec)

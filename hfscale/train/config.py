@@ -58,11 +58,37 @@ class TrainConfig:
             parse_checkpointing(self.checkpointing)
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
+@dataclass(frozen=True)
+class QATRecipeConfig(TrainConfig):
+    """recipes/qat_clm.py: fine-tune a trained checkpoint (`model`) against a quantization grid."""
+    scheme: str = "8da4w"  # a QAT scheme of hfscale.compress.schemes (8da4w, int4wo, q4_0)
+    group_size: int = 32  # input columns per scale; 0 = per-channel (torchao schemes)
+    lora_rank: int = 0  # > 0: train LoRA adapters on the fake-quantized base (peft), merged before convert
+    distill: float = 0.0  # weight of KL to the unquantized model's probabilities (1 = teacher only)
+    temperature: float = 1.0
+    ptq_baseline: bool = True  # also score PTQ of the starting checkpoint for the quality table
+
+    def __post_init__(self):
+        super().__post_init__()
+        from ..compress.qat import as_spec
+        from ..compress.schemes import QuantSpec
+
+        as_spec(QuantSpec(self.scheme, group_size=self.group_size))
+        if not 0.0 <= self.distill <= 1.0:
+            raise ConfigError(f"distill must be in [0, 1] (got {self.distill}): the weight of the teacher's KL term")
+        if self.lora_rank < 0 or not self.temperature > 0:
+            raise ConfigError("lora_rank must be >= 0 and temperature > 0")
 
 
-def _coerce(name: str, value):
-    f = FIELDS[name]
+def fields_of(cls=TrainConfig) -> dict:
+    return {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+
+
+FIELDS = fields_of(TrainConfig)
+
+
+def _coerce(name: str, value, fields=FIELDS):
+    f = fields[name]
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and "None" in kind):
         return None
@@ -86,8 +112,8 @@ def _coerce(name: str, value):
     return str(value)
 
 
-def load_recipe(path: str | None, overrides: dict | None = None) -> TrainConfig:
-    """A TrainConfig from a recipe YAML (unknown keys refused, with a suggestion) plus overrides."""
+def load_recipe(path: str | None, overrides: dict | None = None, cls=TrainConfig) -> TrainConfig:
+    """A TrainConfig (or `cls`) from a recipe YAML (unknown keys refused, with a suggestion) plus overrides."""
     import difflib
 
     import yaml
@@ -105,14 +131,15 @@ def load_recipe(path: str | None, overrides: dict | None = None) -> TrainConfig:
             raise HfscaleError(f"{path} must hold a mapping of recipe settings")
         values.update(loaded)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    fields = fields_of(cls)
     for key in values:
-        if key not in FIELDS and key != "extra":
-            near = difflib.get_close_matches(key, FIELDS, n=1)
+        if key not in fields and key != "extra":
+            near = difflib.get_close_matches(key, fields, n=1)
             raise ConfigError(f"unknown recipe setting {key!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
-    return TrainConfig(**{k: (_coerce(k, v) if k in FIELDS else v) for k, v in values.items()})
+    return cls(**{k: (_coerce(k, v, fields) if k in fields else v) for k, v in values.items()})
 
 
-def add_override_args(parser) -> None:
-    """`--seq-len 256`-style overrides for every TrainConfig field (strings, coerced by load_recipe)."""
-    for name in FIELDS:
+def add_override_args(parser, cls=TrainConfig) -> None:
+    """`--seq-len 256`-style overrides for every field of `cls` (strings, coerced by load_recipe)."""
+    for name in fields_of(cls):
         parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="V")

@@ -1,0 +1,160 @@
+"""Quantization-aware fine-tuning of a trained checkpoint, then convert, save and report.
+
+    accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 2 \
+        recipes/qat_clm.py --config recipes/tiny/qat.yaml --model runs/tiny/model
+
+    # options: --scheme 8da4w|int4wo|q4_0  --group-size 0 (per-channel)  --lora-rank 8  --distill 1.0
+
+The model computes with its linears fake-quantized to the scheme's grid (hfscale.compress.qat) and
+learns weights that survive the rounding; the end converts them to the real quantization. Writes
+OUTPUT_DIR/quantized (a transformers dir that `from_pretrained` reloads; for q4_0 float weights on
+llama.cpp's grid, for `hfscale quantize --format gguf --qtype Q4_0`), OUTPUT_DIR/quality.json and
+prints float / PTQ / QAT perplexity side by side with the share of PTQ's loss QAT recovered.
+Everything else (batching, checkpoints, --resume latest, metrics.jsonl) is train_clm.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    from hfscale.train.config import QATRecipeConfig, add_override_args
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="recipe YAML (recipes/<family>/<size>_qat.yaml)")
+    p.add_argument("--force", action="store_true", help="start over in an OUTPUT_DIR that already holds a run")
+    add_override_args(p, QATRecipeConfig)
+    args = p.parse_args(argv)
+    return args.config, {k: v for k, v in vars(args).items() if k not in ("config", "force")}, args.force
+
+
+def main(argv=None) -> int:
+    from hfscale.errors import HfscaleError
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config_path, overrides, force = parse_args(argv)
+        from hfscale.models import is_builtin
+        from hfscale.train.config import QATRecipeConfig, load_recipe
+        from hfscale.train.loop import preflight
+
+        cfg = load_recipe(config_path, overrides, cls=QATRecipeConfig)
+        if is_builtin(cfg.model):
+            raise HfscaleError(f"QAT fine-tunes a trained checkpoint; {cfg.model} is a random init: pass --model "
+                               "runs/tiny/model (from recipes/train_clm.py) or another trained directory")
+        model_config, plan, data, ckpts, resume = preflight(cfg, force)
+    except HfscaleError as e:
+        if rank == 0:
+            print(f"qat_clm: error: {e}", file=sys.stderr)
+        return 2
+    return train(cfg, force, model_config, plan, data, ckpts, resume)
+
+
+def build_student(cfg, spec):
+    """The trained checkpoint, fake-quantized, optionally with LoRA adapters on top."""
+    from hfscale.compress.qat import add_lora_, prepare_qat_
+    from hfscale.models import build_model
+
+    model = prepare_qat_(build_model(cfg.model), spec)
+    return add_lora_(model, cfg.lora_rank) if cfg.lora_rank else model
+
+
+def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
+    import torch
+
+    from hfscale.compress.qat import distillation_loss
+    from hfscale.compress.schemes import QuantSpec
+    from hfscale.models import build_model, load_tokenizer
+    from hfscale.scale.runtime import make_optimizer
+    from hfscale.train.loop import evaluate, lm_loss, load_blocks, resume_from, start_run, train_steps
+    from hfscale.train.metrics import MetricsLog
+    from hfscale.train.state import model_fingerprint
+
+    spec = QuantSpec(cfg.scheme, group_size=cfg.group_size)
+    # --- launch ---
+    accelerator = start_run(cfg, force, plan, ckpts, resume, tag="qat_clm")
+    main_rank = accelerator.is_main_process
+    out = Path(cfg.output_dir)
+
+    # --- data ---
+    tokenizer = load_tokenizer(cfg.model)
+    train_blocks, val_blocks = load_blocks(cfg, tokenizer, data)
+
+    # --- model: fake-quantized student, optional frozen teacher (the unquantized checkpoint) ---
+    model = build_student(cfg, spec)
+    loss_fn = lm_loss
+    if cfg.distill > 0:
+        teacher = build_model(cfg.model).to(accelerator.device).eval().requires_grad_(False)
+
+        def loss_fn(m, batch):
+            with torch.no_grad():
+                t = teacher(input_ids=batch).logits
+            return distillation_loss(m(input_ids=batch).logits, t, batch, cfg.distill, cfg.temperature)
+
+    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if main_rank:
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        print(f"[qat_clm] {cfg.model} fake-quantized for {spec.scheme} (group {spec.group_size or 'per-channel'}), "
+              f"{trainable:,} trainable params{' (LoRA r=' + str(cfg.lora_rank) + ')' if cfg.lora_rank else ''}, "
+              f"distill {cfg.distill}")
+    start = resume_from(accelerator, resume, "qat_clm")
+    log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
+    meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(model_config), "world": plan.world,
+            "tokens_per_step": plan.tokens_per_step, "scheme": spec.scheme}
+
+    # --- train (against the grid) ---
+    train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start, meta, loss_fn)
+    ev = evaluate(model, accelerator, val_blocks, plan.micro_batch)
+    log.write({"kind": "eval", "step": cfg.max_steps, "loss": ev, "ppl": math.exp(ev), "final": True, "fake_quant": True})
+
+    # --- convert and save: the full weights (ZeRO shards gathered) into a fresh copy on the main rank ---
+    state = accelerator.get_state_dict(model)
+    if main_rank:
+        finish(cfg, spec, state, tokenizer, val_blocks, out)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0
+
+
+def finish(cfg, spec, state, tokenizer, val_blocks, out: Path) -> None:
+    import torch
+
+    from hfscale.atomic import write_text_atomic
+    from hfscale.compress.evaluate import perplexity, qat_table, recovered
+    from hfscale.compress.ptq import ptq_in_memory
+    from hfscale.compress.qat import convert_qat_, merge_lora
+    from hfscale.compress.save import save_model_dir
+    from hfscale.models import build_model
+
+    student = build_student(cfg, spec)
+    student.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    missing = [k for k in student.state_dict() if k not in state and "lm_head" not in k]
+    if missing:
+        raise RuntimeError(f"consolidated state misses {len(missing)} tensors (first {missing[0]}); refusing to save")
+    student = merge_lora(student).float().eval()
+    qat = convert_qat_(student, spec)
+    save_model_dir(qat, out / "quantized", tokenizer=tokenizer, force=True)
+    blocks = val_blocks
+    rows = {"float": perplexity(build_model(cfg.model, dtype=torch.float32), blocks), "qat": perplexity(qat, blocks)}
+    if cfg.ptq_baseline:
+        rows["ptq"] = perplexity(ptq_in_memory(cfg.model, spec), blocks)
+    report = {"scheme": spec.scheme, "group_size": spec.group_size, "steps": cfg.max_steps, "lora_rank": cfg.lora_rank,
+              "distill": cfg.distill, "eval_tokens": int(blocks[:, 1:].numel()), "perplexity": rows,
+              "recovered": recovered(rows["float"], rows["ptq"], rows["qat"]) if "ptq" in rows else None}
+    write_text_atomic(out / "quality.json", json.dumps(report, indent=1) + "\n")
+    print(f"[qat_clm] saved {out / 'quantized'}; held-out perplexity over {report['eval_tokens']:,} tokens:")
+    if "ptq" in rows:
+        print(qat_table(rows["float"], rows["ptq"], rows["qat"], spec.scheme, label_float="float (start)"))
+    else:
+        print(f"float {rows['float']:.3f} | QAT {rows['qat']:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
