@@ -1,5 +1,5 @@
-"""The demo on the embedded default: write a config set, then prove ZeRO-2 and ZeRO-3 training of
-the tiny Gemma 3 on 2 CPU processes against a 1-process run of the same global batch."""
+"""The demo on the embedded default: write a config set, prove ZeRO-2 and ZeRO-3 training of the tiny
+Gemma 3 on 2 CPU processes, plan a 27B job, train with the recipe, QAT on the Q4_0 grid, export and run."""
 
 from __future__ import annotations
 
@@ -11,34 +11,42 @@ def _banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
-def train_step(out: Path) -> Path:
-    """recipes/train_clm.py on 2 CPU processes (ZeRO-2) for about a minute, then the saved model reloaded."""
+def _launch_recipe(recipe: str, args: list[str], log: Path) -> None:
+    """accelerate launch RECIPE on 2 CPU processes under ZeRO-2; output to `log`, one error line on failure."""
     import os
-    import statistics
     import subprocess
     import sys
 
     from .errors import HfscaleError
     from .proof import free_port
-    from .train.metrics import read_records
 
     root = Path(__file__).resolve().parents[1]
-    recipe = root / "recipes" / "train_clm.py"
-    if not recipe.is_file():
-        raise HfscaleError(f"{recipe} not found: run the demo from a checkout of hfscale (make demo)")
-    _banner("5. the training recipe: tiny Gemma 3, 2 CPU processes, ZeRO-2, checkpoints + consolidated save")
-    run_dir = out / "train_tiny"
+    path = root / "recipes" / recipe
+    if not path.is_file():
+        raise HfscaleError(f"{path} not found: run the demo from a checkout of hfscale (make demo)")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(root / "accelerate_configs/zero2.yaml"),
            "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
-           str(recipe), "--config", str(root / "recipes/tiny/train.yaml"), "--output-dir", str(run_dir), "--force"]
+           str(path), *args]
     print("  " + " ".join(["accelerate launch", *cmd[3:]]).replace(str(root) + "/", ""), flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "train_tiny.log"
-    with open(log, "w") as f:  # progress goes to the log; the table below is read back from the metrics
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:  # progress goes to the log; the tables are read back from it
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     if rc:
-        raise HfscaleError(f"the training recipe failed (exit {rc}); see {log}")
+        raise HfscaleError(f"{recipe} failed (exit {rc}); see {log}")
+
+
+def train_step(out: Path) -> Path:
+    """recipes/train_clm.py on 2 CPU processes (ZeRO-2) for about a minute, then the saved model reloaded."""
+    import statistics
+
+    from .train.metrics import read_records
+
+    _banner("5. the training recipe: tiny Gemma 3, 2 CPU processes, ZeRO-2, checkpoints + consolidated save")
+    root = Path(__file__).resolve().parents[1]
+    run_dir = out / "train_tiny"
+    log = out / "train_tiny.log"
+    _launch_recipe("train_clm.py", ["--config", str(root / "recipes/tiny/train.yaml"), "--output-dir", str(run_dir), "--force"], log)
     for line in log.read_text().splitlines():
         if line.startswith("[train_clm]"):
             print("  " + line)
@@ -51,6 +59,23 @@ def train_step(out: Path) -> Path:
     print(f"  checkpoints kept: {sorted(p.name for p in (run_dir / 'checkpoints').iterdir())}")
     print("  after a crash or preemption, the same command with --resume latest continues from the newest checkpoint")
     return run_dir / "model"
+
+
+def qat_and_export_step(out: Path, model_dir: Path) -> None:
+    """QAT on llama.cpp's Q4_0 grid, the quality table, then GGUF Q4_0 + .pte 8da4w run in their runtimes."""
+    _banner("6. QAT fine-tune on llama.cpp's Q4_0 grid (2 CPU processes, ZeRO-2), then float / PTQ / QAT perplexity")
+    run_dir = out / "qat_tiny"
+    root = Path(__file__).resolve().parents[1]
+    log = out / "qat_tiny.log"
+    _launch_recipe("qat_clm.py", ["--config", str(root / "recipes/tiny/qat.yaml"), "--model", str(model_dir), "--scheme",
+                                  "q4_0", "--output-dir", str(run_dir), "--force", "--progress", "false"], log)
+    for line in log.read_text().splitlines():
+        if line.startswith(("[qat_clm]", "|")):
+            print("  " + line)
+    _banner("7. edge export of the QAT model: GGUF Q4_0 in llama.cpp, ExecuTorch .pte (8da4w) in executorch.runtime")
+    from .export import demo_step
+
+    print(demo_step(run_dir / "quantized", out / "export"))
 
 
 def run_demo(out: str = "demo_out") -> int:
@@ -115,5 +140,6 @@ def run_demo(out: str = "demo_out") -> int:
           f"{p['gradients'] / 1e9:.1f}, optimizer {p['optimizer'] / 1e9:.1f}, activations {p['activations'] / 1e9:.1f}, "
           f"ZeRO-3 live {p['zero3_live'] / 1e9:.1f}; peak {best['peak_bytes'] / 1e9:.1f} GB/GPU")
     train_dir = train_step(out)
+    qat_and_export_step(out, train_dir)
     print(f"\ndemo finished in {time.time() - t0:.0f} s; reports under {out / 'proof'}, trained model in {train_dir}")
     return 0

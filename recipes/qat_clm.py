@@ -152,6 +152,8 @@ def finish(cfg, spec, state, tokenizer, val_blocks, out: Path) -> None:
     print(f"[qat_clm] saved {out / 'quantized'}; held-out perplexity over {report['eval_tokens']:,} tokens:")
     if "ptq" in rows:
         print(qat_table(rows["float"], rows["ptq"], rows["qat"], spec.scheme, label_float="float (start)"))
+        print("[qat_clm] recovered is measured against the starting checkpoint (torchao's convention); the fine-tune "
+              "also moves the float model, which benchmarks/compress.py separates with a same-steps control run")
     else:
         print(f"float {rows['float']:.3f} | QAT {rows['qat']:.3f}")
 

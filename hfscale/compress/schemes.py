@@ -43,7 +43,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in [
     Scheme("int4wo-cuda", "torchao", "int4 weights with the CUDA tinygemm/mslk kernel (Int4WeightOnlyConfig)", 4,
            granularities=("per-group",), mappings=("asymmetric",), device="cuda", cpu_alternative="int4wo"),
     Scheme("gptq-int4wo", "hfscale", "int4wo grid with GPTQ rounding from calibration batches (hfscale.compress.gptq)", 4,
-           granularities=("per-group",), calibrated=True),
+           mappings=("symmetric", "asymmetric"), calibrated=True),
     Scheme("float8", "torchao", "float8 dynamic activations + float8 weights (Float8DynamicActivationFloat8WeightConfig)", 8,
            activations="float8 dynamic", granularities=("per-tensor",), device="cuda", cpu_alternative="int8dq"),
     Scheme("nf4", "bitsandbytes", "4-bit NormalFloat weights, blocks of 64 (BitsAndBytesConfig load_in_4bit)", 4,
