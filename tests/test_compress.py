@@ -55,6 +55,7 @@ def test_cli_choices_come_from_the_registry():
     ({"scheme": "nf4", "group_size": 0}, "no per-channel form"),
     ({"scheme": "int8wo", "mapping": "asymmetric"}, "offers mapping"),
     ({"scheme": "nf4", "include_embeddings": True}, "bitsandbytes quantizes nn.Linear only"),
+    ({"scheme": "int4wo", "include_embeddings": True}, "--embed-qtype"),
 ])
 def test_spec_validation_names_the_fix(kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -29,8 +29,6 @@ def as_spec(scheme) -> QuantSpec:
     spec = scheme if isinstance(scheme, QuantSpec) else QuantSpec(str(scheme))
     if spec.scheme not in QAT_SCHEMES:
         raise ConfigError(f"scheme {spec.scheme} has no QAT form; choose one of {', '.join(QAT_SCHEMES)}")
-    if spec.include_embeddings and spec.scheme != "q4_0":
-        raise ConfigError(f"QAT of the embeddings is offered for q4_0 only; drop --include-embeddings for {spec.scheme}")
     return spec
 
 

@@ -6,7 +6,7 @@ activations for the dynamic ones), its granularity (per-channel or per-group of 
 columns), its mapping (symmetric/asymmetric, where the library lets you choose), the device it needs
 and whether torchao can fake-quantize it for QAT. Embeddings and lm_head are skipped by default
 (Gemma ties lm_head to the embedding, so quantizing one quantizes both); `include_embeddings=True`
-quantizes the embedding table weight-only with the scheme's weight dtype.
+is offered for the q4_0 QAT grid (the GGUF writer stores the token embedding at --embed-qtype).
 """
 
 from __future__ import annotations
@@ -80,7 +80,12 @@ class QuantSpec:
         if self.mapping is not None and self.mapping not in s.mappings:
             raise ConfigError(f"{self.scheme} offers mapping {', '.join(s.mappings)} (got {self.mapping!r})")
         if self.include_embeddings and s.library == "bitsandbytes":
-            raise ConfigError(f"bitsandbytes quantizes nn.Linear only; drop --include-embeddings for {self.scheme} or use int8wo/int4wo")
+            raise ConfigError(f"bitsandbytes quantizes nn.Linear only; drop --include-embeddings for {self.scheme}")
+        if self.include_embeddings and self.scheme != "q4_0":
+            # measured (transformers 5.24, torchao 0.18): an untied quantized embedding + lm_head saves, but
+            # from_pretrained reloads it with logits off by ~10-20, so hfscale does not write such a directory
+            raise ConfigError("--include-embeddings does not reload correctly through transformers for torchao schemes; "
+                              "keep the embedding in float (default) or export GGUF with --embed-qtype Q8_0/Q4_0")
 
     @property
     def info(self) -> Scheme:
@@ -135,15 +140,6 @@ def torchao_linear_config(spec: QuantSpec):
     raise ConfigError(f"{name} is not a torchao scheme")
 
 
-def torchao_embedding_config(spec: QuantSpec):
-    """Embeddings are lookups, not matmuls: quantize them weight-only at the scheme's weight width."""
-    import torch
-    from torchao import quantization as q
-
-    dtype = torch.int8 if spec.info.weight_bits == 8 else torch.int4
-    return q.IntxWeightOnlyConfig(weight_dtype=dtype, granularity=_granularity(spec), mapping_type=_mapping(spec))
-
-
 def transformers_config(spec: QuantSpec):
     """The `quantization_config=` for `from_pretrained` (TorchAoConfig or BitsAndBytesConfig)."""
     import torch
@@ -153,16 +149,10 @@ def transformers_config(spec: QuantSpec):
     if s.library == "bitsandbytes":
         if spec.scheme == "llm.int8":
             return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["lm_head"])
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=spec.scheme, bnb_4bit_compute_dtype=torch.float32,
+        compute = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # CPU kernels compute in fp32
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=spec.scheme, bnb_4bit_compute_dtype=compute,
                                   llm_int8_skip_modules=["lm_head"])
-    linear = torchao_linear_config(spec)
-    if not spec.include_embeddings:
-        return TorchAoConfig(linear)
-    from torchao.quantization import FqnToConfig
-
-    # the embedding table weight-only; lm_head (tied to it in Gemma) untied and quantized like a Linear
-    return TorchAoConfig(FqnToConfig({"_default": linear, "model.embed_tokens": torchao_embedding_config(spec)}),
-                         include_input_output_embeddings=True, untie_embedding_weights=True)
+    return TorchAoConfig(torchao_linear_config(spec))
 
 
 def linear_filter(include_embeddings: bool = False):
