@@ -73,3 +73,24 @@ def test_qat_recipe_zero2_two_processes(tmp_path, trained):
     assert "PTQ loss recovered by QAT" in text
     with torch.no_grad():
         assert torch.isfinite(back(input_ids=val[:1]).logits).all()
+
+
+def test_qat_recipe_lora_and_distillation_in_one_process(tmp_path, trained):
+    """The recipe also runs without a launcher (1 process): LoRA adapters on the fake-quantized base,
+    half the loss from the teacher's probabilities; the adapters are merged before convert."""
+    from safetensors import safe_open
+
+    out = tmp_path / "qat_lora"
+    r = subprocess.run([sys.executable, str(RECIPE), "--config", str(QAT_YAML), "--model", trained, "--output-dir", str(out),
+                        "--scheme", "int4wo", "--group-size", "0", "--lora-rank", "4", "--distill", "0.5", "--max-steps", "2",
+                        "--lr", "1e-2", *FAST], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(LoRA r=4)" in r.stdout and "distill 0.5" in r.stdout
+    trainable = int(r.stdout.split("group per-channel), ")[1].split(" trainable")[0].replace(",", ""))
+    assert 0 < trainable < 100_000  # adapters only: r x (in + out) per projection, not the 3M base
+    with safe_open(str(out / "quantized" / "model.safetensors"), framework="pt") as st:
+        keys = list(st.keys())
+    assert not any("lora" in k for k in keys)  # merged into the base, then quantized
+    report = json.loads((out / "quality.json").read_text())
+    assert report["lora_rank"] == 4 and report["distill"] == 0.5 and report["group_size"] == 0
