@@ -39,7 +39,7 @@ def _load(model: str):
 
 def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed_qtype: str | None = None,
                 verify: bool = True, evalset: E.EvalSet = E.EvalSet(), progress: bool = True) -> dict:
-    from .gguf import GGUFOptions, check_supported, write_gguf
+    from .gguf import GGUFOptions, check_supported, norm_convention, write_gguf
 
     opts = GGUFOptions(qtype, embed_qtype)
     out, cfg = _prepare(model, out, force)
@@ -52,7 +52,7 @@ def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed
         seconds = time.perf_counter() - t0
         rec = {"format": "gguf", "source": source_info(model, m),
                "scheme": {"qtype": opts.qtype, "token_embedding_qtype": opts.embedding, "tensor_types": counts,
-                          "norms": "F32, stored as 1 + w (Gemma RMSNorm)"},
+                          "norms": norm_convention(m.config)},
                "export_seconds": seconds}
         if verify:
             from .verify_llama import verify_gguf, verify_transformers_reload

@@ -1,20 +1,25 @@
-"""Write a Gemma 3 text model as GGUF for llama.cpp, with the `gguf` package's GGUFWriter.
+"""Write a Gemma 3 or Gemma 4 text model as GGUF for llama.cpp, with the `gguf` package's GGUFWriter.
 
-What llama.cpp's gemma3 loader reads (src/models/gemma3.cpp in the vendored llama.cpp):
-- hparams: context/embedding/block/ffn lengths, head counts, key/value length (head_dim),
-  rms eps, rope base for global layers (`rope.freq_base`) and local ones (`rope.freq_base_swa`),
-  `attention.sliding_window` and the per-layer `sliding_window_pattern` as a bool array (without
-  it llama.cpp assumes Gemma's 5:1 pattern, wrong for our 3:1 tiny model).
-- attention scale: llama.cpp hard-codes 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer
-  27B), so a config whose `query_pre_attn_scalar` differs is refused rather than exported wrong.
-- norms: Gemma's RMSNorm computes x·(1 + w); llama.cpp multiplies by the stored weight, so we
-  store 1 + w (in F32, they are tiny).
+Common to both architectures:
 - tied embeddings: no `output.weight`; llama.cpp reuses `token_embd` as the output head, so the
   token embedding's type is also the output projection's type (hence its own option).
 - tokenizer: ours is a BPE over "▁"-escaped text with byte fallback (SentencePiece-style, not
   GPT-2 byte-level), so it is stored as llama.cpp's "llama" (SPM) model: merged tokens get score
   -rank of the merge that creates them, bytes are BYTE tokens, specials CONTROL, no space prefix.
   `verify_llama.check_tokenizer` proves the two tokenizers agree on the texts used.
+- 1-D tensors (norms, scalars, rope factors) are F32; they are tiny and llama.cpp wants F32.
+
+Gemma 3 — what llama.cpp's gemma3 loader reads (src/models/gemma3.cpp in the vendored llama.cpp):
+- hparams: context/embedding/block/ffn lengths, head counts, key/value length (head_dim),
+  rms eps, rope base for global layers (`rope.freq_base`) and local ones (`rope.freq_base_swa`),
+  `attention.sliding_window` and the per-layer `sliding_window_pattern` as a bool array (without
+  it llama.cpp assumes Gemma's 5:1 pattern, wrong for our 3:1 tiny model).
+- attention scale: llama.cpp hard-codes 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer
+  27B), so a config whose `query_pre_attn_scalar` differs is refused rather than exported wrong.
+- norms: Gemma 3's RMSNorm computes x·(1 + w); llama.cpp multiplies by the stored weight, so we
+  store 1 + w.
+
+Gemma 4 — see `_hparams_gemma4` and `_check_gemma4` for the llama.cpp side of each convention.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -31,7 +37,12 @@ from ..errors import HfscaleError
 
 QTYPES = ("F16", "BF16", "Q8_0", "Q4_0")
 EMBED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
-SUPPORTED_MODEL_TYPES = ("gemma3_text",)
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma4_text")
+# large lookup tables: llama.cpp's quantizer gives both the --token-embedding-type (llama-quant.cpp,
+# tensor_name_match_token_embd), so they follow GGUFOptions.embedding here too
+EMBEDDING_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
+GEMMA4_SUPPORTED = ("dense Gemma 4 text decoders: sliding + full attention, per-layer embeddings, shared KV, "
+                    "k=v attention, double-wide MLP, default/proportional RoPE")
 
 
 def default_embed_qtype(qtype: str) -> str:
@@ -62,12 +73,26 @@ class GGUFOptions:
 
 
 def check_supported(config) -> None:
-    """Refuse, in one line, configs llama.cpp's gemma3 graph would run wrongly."""
+    """Refuse, in one line, configs llama.cpp's gemma3 / gemma4 graph would run wrongly."""
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
-        why = " (Gemma 4 GGUF export is not implemented yet)" if mt and mt.startswith("gemma4") else ""
+        why = (" (for a multimodal Gemma 4 checkpoint, export its text decoder as Gemma4ForCausalLM)"
+               if mt == "gemma4" else "")
         raise HfscaleError(f"GGUF export supports model types {', '.join(SUPPORTED_MODEL_TYPES)} "
-                           f"(Gemma 3 text and the built-in tiny-gemma3), not {mt!r}{why}")
+                           f"(Gemma 3 / Gemma 4 text and the built-in tiny-gemma3), not {mt!r}{why}")
+    ARCHS[mt].check(config)
+
+
+def norm_convention(config) -> str:
+    """How RMSNorm weights are stored, in words (for the sidecar)."""
+    if ARCHS[config.model_type].norm_offset:
+        return "F32, stored as 1 + w (Gemma 3 RMSNorm)"
+    return "F32, stored as w (Gemma 4 RMSNorm multiplies by w)"
+
+
+# --------------------------------------------------------------------------------------- Gemma 3
+
+def _check_gemma3(config) -> None:
     scale = config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62 else config.head_dim
     if config.query_pre_attn_scalar != scale:
         raise HfscaleError(f"query_pre_attn_scalar={config.query_pre_attn_scalar} but llama.cpp's gemma3 uses "
@@ -90,16 +115,229 @@ def _rope(config) -> dict:
     return {"full_attention": rp, "sliding_attention": rp}
 
 
+def _hparams_gemma3(w, cfg) -> None:
+    import gguf
+
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = _rope(cfg)
+    w.add_rope_freq_base(float(rope["full_attention"].get("rope_theta", 1_000_000.0)))
+    if rope["full_attention"].get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["full_attention"]["factor"]))
+    layer_types = list(cfg.layer_types)
+    if "sliding_attention" in layer_types and cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
+        w.add_rope_freq_base_swa(float(rope["sliding_attention"].get("rope_theta", 10_000.0)))
+    if getattr(cfg, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+
+
+# --------------------------------------------------------------------------------------- Gemma 4
+
+class _Layer(NamedTuple):
+    sliding: bool
+    head_dim: int
+    n_kv_heads: int
+    n_ff: int
+
+
+def _gemma4_layers(cfg) -> list[_Layer]:
+    """Each layer's shape as transformers' Gemma4 resolves it: `per_layer_config` gives full layers
+    their `global_head_dim` (and `num_global_key_value_heads` with attention_k_eq_v); with
+    `use_double_wide_mlp`, layers that reuse another layer's KV get a 2x intermediate size."""
+    modes = cfg.kv_sharing_modes
+    double = bool(getattr(cfg, "use_double_wide_mlp", False))
+    return [_Layer(sliding=t == "sliding_attention",
+                   head_dim=int(cfg.per_layer_config[i].head_dim),
+                   n_kv_heads=int(cfg.per_layer_config[i].num_key_value_heads),
+                   n_ff=cfg.intermediate_size * (2 if double and modes[i] == "reuse" else 1))
+            for i, t in enumerate(cfg.layer_types)]
+
+
+def _gemma4_error(problem: str) -> HfscaleError:
+    return HfscaleError(f"{problem}; the GGUF writer supports {GEMMA4_SUPPORTED}")
+
+
+def _check_gemma4_rope(cfg) -> None:
+    """Sliding layers: plain RoPE over the whole head. Full layers: plain or "proportional" RoPE
+    (the rotated part is encoded in `rope_freqs.weight`, see `_gemma4_rope_freqs`). Position scaling
+    (`factor`) has no counterpart in what llama.cpp's gemma4 graph reads, so it is refused."""
+    rp = cfg.rope_parameters or {}
+    for kind, allowed in (("sliding_attention", ("default",)), ("full_attention", ("default", "proportional"))):
+        p = rp.get(kind) or {}
+        rtype = p.get("rope_type", "default")
+        if rtype not in allowed:
+            raise _gemma4_error(f"rope_type {rtype!r} on {kind} layers is not supported (there: {', '.join(allowed)})")
+        if float(p.get("factor", 1.0)) != 1.0:
+            raise _gemma4_error(f"RoPE scaling factor {p['factor']} on {kind} layers is not supported")
+        if rtype == "default" and float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise _gemma4_error(f"partial_rotary_factor with default RoPE on {kind} layers is not supported")
+
+
+def _check_gemma4_kv_sharing(cfg, layers: list[_Layer]) -> None:
+    """llama.cpp (llama-model.cpp, the gemma3n/gemma4 `reuse` callback) gives every KV-sharing layer
+    the cache of layer first_shared-2 if it is sliding, first_shared-1 if it is full; transformers
+    gives it the last non-sharing layer of its own type. Those agree iff the two layers just before
+    the shared block are sliding, then full: the layout llama.cpp's rule was written for (Gemma 3n,
+    Gemma 4 E2B/E4B)."""
+    n_shared = cfg.num_kv_shared_layers or 0
+    if not n_shared:
+        return
+    first = cfg.num_hidden_layers - n_shared
+    if first < 2 or not (layers[first - 2].sliding and not layers[first - 1].sliding):
+        raise _gemma4_error(f"num_kv_shared_layers={n_shared} needs the two layers before the shared block to be "
+                            "sliding then full (llama.cpp reuses exactly those two caches)")
+
+
+def _check_gemma4(cfg) -> None:
+    """Refuse what llama.cpp's gemma4 graph (src/models/gemma4.cpp) would compute differently."""
+    if getattr(cfg, "enable_moe_block", False):
+        raise _gemma4_error("Gemma 4 mixture-of-experts layers (enable_moe_block, as in 26B-A4B) are not supported")
+    if cfg.attention_bias:
+        raise _gemma4_error("attention_bias=True is not supported (llama.cpp's gemma4 loads no attention biases)")
+    if cfg.hidden_activation != "gelu_pytorch_tanh":
+        raise _gemma4_error(f"hidden_activation {cfg.hidden_activation!r} is not supported "
+                            "(llama.cpp's gemma4 uses tanh-approximated GELU: gelu_pytorch_tanh)")
+    if cfg.use_bidirectional_attention == "all":
+        raise _gemma4_error("use_bidirectional_attention='all' is not supported "
+                            "(llama.cpp's gemma4 text path is causal)")
+    if cfg.hidden_size_per_layer_input and cfg.vocab_size_per_layer_input != cfg.vocab_size:
+        raise _gemma4_error(f"vocab_size_per_layer_input={cfg.vocab_size_per_layer_input} != vocab_size="
+                            f"{cfg.vocab_size} is not supported "
+                            "(llama.cpp sizes the per-layer table by the vocabulary)")
+    try:
+        layers = _gemma4_layers(cfg)
+    except (ValueError, KeyError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _gemma4_error(f"cannot resolve the per-layer shapes of this config ({first})") from None
+    if not any(lay.sliding for lay in layers):
+        raise _gemma4_error("a config without sliding-attention layers is not supported "
+                            "(llama.cpp's gemma4 cache needs some)")
+    for sliding in (True, False):
+        dims = {lay.head_dim for lay in layers if lay.sliding == sliding}
+        if len(dims) > 1:
+            kind = "sliding" if sliding else "full"
+            raise _gemma4_error(f"{kind} layers with different head sizes {sorted(dims)} are not supported "
+                                "(llama.cpp has one head size for sliding and one for full layers)")
+    _check_gemma4_rope(cfg)
+    _check_gemma4_kv_sharing(cfg, layers)
+
+
+def _gemma4_rope_freqs(cfg) -> np.ndarray:
+    """`rope_freqs.weight`, the per-frequency divisors llama.cpp applies on full-attention layers.
+
+    transformers' "proportional" RoPE (modeling_rope_utils) rotates the first
+    int(partial_rotary_factor * head_dim // 2) frequency pairs at base^(-2i/head_dim) and gives the
+    remaining pairs frequency 0 (cos 1, sin 0: left as they are). llama.cpp rotates the whole head
+    (n_rot = head_dim, same base^(-2i/head_dim)) and divides each pair's angle by this tensor: 1 keeps
+    a pair, 1e30 makes its angle 0. This is the encoding of llama.cpp's own converter
+    (conversion/gemma.py, Gemma4Model.generate_extra_tensors). Plain RoPE rotates every pair: all 1.
+    The tensor is required by llama.cpp's gemma4 loader either way.
+    """
+    full = next(lay for lay in _gemma4_layers(cfg) if not lay.sliding)
+    p = cfg.rope_parameters["full_attention"]
+    half = full.head_dim // 2
+    rotated = half
+    if p.get("rope_type") == "proportional":
+        rotated = int(float(p.get("partial_rotary_factor", 1.0)) * full.head_dim // 2)
+    return np.array([1.0] * rotated + [1e30] * (half - rotated), dtype=np.float32)
+
+
+def _hparams_gemma4(w, cfg) -> None:
+    """The metadata llama.cpp's gemma4 loader reads (llama-model.cpp generic keys, then
+    src/models/gemma4.cpp `load_arch_hparams`):
+    - two head sizes: `attention.key_length`/`value_length` (and `rope.dimension_count`) are the
+      full layers' head size, the `_swa` variants the sliding layers'; `attention.head_count_kv`
+      becomes a per-layer array when full layers have their own KV head count.
+    - `feed_forward_length` becomes a per-layer array with the double-wide MLP.
+    - `attention.sliding_window_pattern` (required), `attention.sliding_window` (required),
+      `rope.freq_base` for full layers, `rope.freq_base_swa` for sliding ones.
+    - `attention.shared_kv_layers`: the last N layers read earlier layers' KV (see
+      `_check_gemma4_kv_sharing`).
+    - `embedding_length_per_layer_input` (required; 0 = no per-layer embeddings). The graph scales
+      the per-layer table by sqrt(that), the model projection by 1/sqrt(hidden), the sum by
+      1/sqrt(2), as transformers' Gemma4TextModel does.
+    - attention scale: nothing to write; both sides use 1.0 (the q/k norms carry the scale).
+    - norms: Gemma4RMSNorm multiplies by w itself (no 1 + w), and v_norm has no weight; llama.cpp
+      rms-normalizes V without one, so weights are stored as they are.
+    """
+    layers = _gemma4_layers(cfg)
+    full = next(lay for lay in layers if not lay.sliding)
+    swa = next(lay for lay in layers if lay.sliding)
+    rope = cfg.rope_parameters
+
+    def per_layer(values: list[int]):
+        return values[0] if len(set(values)) == 1 else values
+
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(per_layer([lay.n_ff for lay in layers]))
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(per_layer([lay.n_kv_heads for lay in layers]))
+    w.add_key_length(full.head_dim)
+    w.add_value_length(full.head_dim)
+    w.add_key_length_swa(swa.head_dim)
+    w.add_value_length_swa(swa.head_dim)
+    w.add_rope_dimension_count(full.head_dim)
+    w.add_rope_dimension_count_swa(swa.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+    w.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_sliding_window_pattern([lay.sliding for lay in layers])
+    w.add_shared_kv_layers(int(cfg.num_kv_shared_layers or 0))
+    w.add_embedding_length_per_layer_input(int(cfg.hidden_size_per_layer_input or 0))
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+
+
+# ------------------------------------------------------------------------------- both architectures
+
+@dataclass(frozen=True)
+class _Arch:
+    gguf_arch: str                      # gguf.MODEL_ARCH member name
+    check: Callable
+    hparams: Callable                   # (GGUFWriter, config) -> None
+    norm_offset: float                  # added to every `*norm.weight` before writing
+    extra_tensors: Callable = lambda cfg: {}  # GGUF name -> F32 array, tensors transformers has no parameter for
+
+
+ARCHS: dict[str, _Arch] = {
+    "gemma3_text": _Arch("GEMMA3", _check_gemma3, _hparams_gemma3, norm_offset=1.0),
+    "gemma4_text": _Arch("GEMMA4", _check_gemma4, _hparams_gemma4, norm_offset=0.0,
+                         extra_tensors=lambda cfg: {"rope_freqs.weight": _gemma4_rope_freqs(cfg)}),
+}
+
+
 def _tensor_type(name: str, shape: tuple, opts: GGUFOptions):
     import gguf
 
     T = gguf.GGMLQuantizationType
     if len(shape) == 1:
-        return T.F32  # norms: tiny, and llama.cpp wants F32 for them
-    want = opts.embedding if name == "token_embd.weight" else opts.qtype
+        return T.F32  # norms, layer scalars, rope factors: tiny, and llama.cpp wants F32 for them
+    want = opts.embedding if name in EMBEDDING_TENSORS else opts.qtype
     if want in ("Q8_0", "Q4_0") and shape[-1] % 32:
         want = "F16"  # ggml's block types need rows that are multiples of 32
     return T[want]
+
+
+def _gguf_name(names, hf_name: str) -> str:
+    """GGUF tensor name; parameters without a suffix (Gemma 4's `layer_scalar` buffer) get
+    `.weight`, which is how llama.cpp looks them up (`blk.N.layer_output_scale.weight`)."""
+    gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if gname is None:
+        raise HfscaleError(f"no GGUF name for tensor {hf_name!r}; this checkpoint layout is not supported")
+    return gname if gname.endswith((".weight", ".bias")) else gname + ".weight"
 
 
 def _vocab(tokenizer_json: dict):
@@ -137,79 +375,66 @@ def _vocab(tokenizer_json: dict):
     return tokens, scores, types
 
 
-def write_gguf(model, tokenizer, out: Path, opts: GGUFOptions, name: str = "", progress: bool = True) -> dict:
-    """Write `model` (a Gemma3ForCausalLM, fp32) to `out` atomically. Returns tensor-type counts."""
+def _add_tokenizer(w, tokenizer) -> None:
+    tokens, scores, types = _vocab(json.loads(tokenizer.backend_tokenizer.to_str()))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    vocab = tokenizer.get_vocab()
+    for tok_name, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
+                          ("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id)):
+        t = getattr(tokenizer, f"{tok_name}_token", None)
+        if t is not None and t in vocab:
+            add(vocab[t])
+    w.add_add_bos_token(tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id])
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(False)  # the normalizer only escapes spaces; nothing is prepended
+
+
+def _tensors(model, arch: _Arch):
+    """(GGUF name, fp32 array) for every tensor to write, in the model's order, then the extras."""
     import gguf
     import torch
 
     cfg = model.config
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.gguf_arch], cfg.num_hidden_layers)
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # llama.cpp reuses token_embd
+        arr = t.detach().to(torch.float32)
+        if arch.norm_offset and hf_name.endswith("norm.weight"):
+            arr = arr + arch.norm_offset
+        yield _gguf_name(names, hf_name), arr.numpy()
+    yield from arch.extra_tensors(cfg).items()
+
+
+def write_gguf(model, tokenizer, out: Path, opts: GGUFOptions, name: str = "", progress: bool = True) -> dict:
+    """Write `model` (a Gemma3ForCausalLM or Gemma4ForCausalLM, fp32) to `out` atomically.
+    Returns tensor-type counts."""
+    import gguf
+
+    cfg = model.config
     check_supported(cfg)
-    tok_json = json.loads(tokenizer.backend_tokenizer.to_str())
-    tokens, scores, types = _vocab(tok_json)
+    arch = ARCHS[cfg.model_type]
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        w = gguf.GGUFWriter(tmp, arch="gemma3")
+        w = gguf.GGUFWriter(tmp, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.gguf_arch]])
         w.add_name(name or "hfscale export")
         w.add_file_type(gguf.LlamaFileType[{"F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
                                             "Q4_0": "MOSTLY_Q4_0"}[opts.qtype]])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_block_count(cfg.num_hidden_layers)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(cfg.num_attention_heads)
-        w.add_head_count_kv(cfg.num_key_value_heads)
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-        rope = _rope(cfg)
-        w.add_rope_freq_base(float(rope["full_attention"].get("rope_theta", 1_000_000.0)))
-        if rope["full_attention"].get("rope_type") == "linear":
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(float(rope["full_attention"]["factor"]))
-        layer_types = list(cfg.layer_types)
-        if "sliding_attention" in layer_types and cfg.sliding_window:
-            w.add_sliding_window(cfg.sliding_window)
-            w.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
-            w.add_rope_freq_base_swa(float(rope["sliding_attention"].get("rope_theta", 10_000.0)))
-        if getattr(cfg, "final_logit_softcapping", None):
-            w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+        arch.hparams(w, cfg)
+        _add_tokenizer(w, tokenizer)
 
-        w.add_tokenizer_model("llama")
-        w.add_token_list(tokens)
-        w.add_token_scores(scores)
-        w.add_token_types(types)
-        vocab = tokenizer.get_vocab()
-        for tok_name, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
-                              ("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id)):
-            t = getattr(tokenizer, f"{tok_name}_token", None)
-            if t is not None and t in vocab:
-                add(vocab[t])
-        w.add_add_bos_token(tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id])
-        w.add_add_eos_token(False)
-        w.add_add_space_prefix(False)  # the normalizer only escapes spaces; nothing is prepended
-
-        names = gguf.TensorNameMap(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
-        tied = cfg.tie_word_embeddings
         counts: dict[str, int] = {}
-        sd = model.state_dict()
-        for hf_name, t in sd.items():
-            if hf_name == "lm_head.weight" and tied:
-                continue  # llama.cpp reuses token_embd
-            gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-            if gname is None:
-                raise HfscaleError(f"no GGUF name for tensor {hf_name!r}; this checkpoint layout is not supported")
-            arr = t.detach().to(torch.float32)
-            if hf_name.endswith("norm.weight"):
-                arr = arr + 1.0  # Gemma RMSNorm: x * (1 + w)
-            arr = arr.numpy()
+        for gname, arr in _tensors(model, arch):
             qt = _tensor_type(gname, arr.shape, opts)
-            data = gguf.quants.quantize(arr, qt)
-            w.add_tensor(gname, data, raw_dtype=qt)
+            w.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
             counts[qt.name] = counts.get(qt.name, 0) + 1
         w.write_header_to_file()
         w.write_kv_data_to_file()

@@ -62,6 +62,15 @@ def verify_gguf(path: Path, model, tokenizer, es: E.EvalSet = E.EvalSet(), progr
     return out
 
 
+# Architectures whose GGUF files transformers cannot read back faithfully, and why: for these the
+# reload is reported as not supported instead of producing numbers that measure the reader.
+RELOAD_NOT_SUPPORTED = {
+    "gemma4_text": "transformers 5.24's gemma4 GGUF reader rejects per-layer hparam arrays (feed_forward_length "
+                   "with the double-wide MLP, head_count_kv with k=v attention) and does not map llama.cpp's "
+                   "blk.N.layer_output_scale.weight back to layer_scalar (it resets it to 1)",
+}
+
+
 def verify_transformers_reload(path: Path, model, tokenizer, es: E.EvalSet = E.EvalSet()) -> dict:
     """Load the GGUF back with transformers (it dequantizes to fp32) and compare logits.
 
@@ -69,9 +78,13 @@ def verify_transformers_reload(path: Path, model, tokenizer, es: E.EvalSet = E.E
     per-layer `sliding_window_pattern` (every layer becomes sliding) and leaves
     `query_pre_attn_scalar` at its default 256. So it is measured twice: as transformers reads
     it, and with the source config (the weights alone, as dequantized from the file).
+    Architectures in RELOAD_NOT_SUPPORTED are not loaded: {"supported": False, "reason": ...}.
     """
     from transformers import AutoModelForCausalLM
 
+    why = RELOAD_NOT_SUPPORTED.get(getattr(model.config, "model_type", None))
+    if why:
+        return {"supported": False, "reason": why}
     prompts = E.prompt_ids(tokenizer, es)
     out: dict = {}
     for label, kw in (("as_read", {}), ("source_config", {"config": model.config})):
