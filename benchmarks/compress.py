@@ -79,7 +79,7 @@ def ptq_rows(base: str, blocks, ref_top1, tok) -> list[dict]:
     rows = []
     calib = calibration_blocks(tok, 32, 128)
     specs = [QuantSpec("int8wo"), QuantSpec("int8dq"), QuantSpec("8da4w"), QuantSpec("8da4w", group_size=0),
-             QuantSpec("int4wo"), QuantSpec("int4wo", group_size=0), QuantSpec("gptq-int4wo"),
+             QuantSpec("int4wo"), QuantSpec("int4wo", group_size=0), QuantSpec("int3wo"), QuantSpec("int2wo"), QuantSpec("gptq-int4wo"),
              QuantSpec("gptq-int4wo", group_size=0), QuantSpec("nf4"), QuantSpec("fp4"), QuantSpec("llm.int8")]
     for spec in tqdm(specs, desc="PTQ schemes"):
         try:
@@ -106,7 +106,8 @@ def qat_rows(base: str, blocks, train, steps: int, lr: float, batch: int, work: 
         controls[distill] = {"dir": str(work / f"control-{distill}"), "s_per_step": s,
                              "ppl_float": measure(control, blocks)[0]["perplexity"]}
     rows = []
-    variants = [("8da4w", 32, 0.0), ("8da4w", 32, 0.5), ("int4wo", 32, 0.0), ("int4wo", 0, 0.0), ("int4wo", 0, 0.5)]
+    variants = [("8da4w", 32, 0.0), ("8da4w", 32, 0.5), ("int4wo", 32, 0.0), ("int4wo", 0, 0.0), ("int4wo", 0, 0.5),
+                ("int3wo", 32, 0.0), ("int2wo", 32, 0.0)]  # 3 and 2 bits: where PTQ's loss is large enough to measure
     for scheme, gs, distill in tqdm(variants, desc="QAT runs"):
         spec, ctl = QuantSpec(scheme, group_size=gs), controls[distill]
         ppl_ptq_start = measure(ptq_in_memory(base, spec), blocks)[0]["perplexity"]

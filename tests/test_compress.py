@@ -43,7 +43,7 @@ def test_cli_choices_come_from_the_registry():
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices
     scheme = next(a for a in sub["quantize"]._actions if a.dest == "scheme")
     assert tuple(scheme.choices) == PTQ_SCHEMES and "q4_0" not in PTQ_SCHEMES
-    assert set(QAT_SCHEMES) == {"8da4w", "int4wo", "q4_0"}
+    assert set(QAT_SCHEMES) == {"8da4w", "int4wo", "int3wo", "int2wo", "q4_0"}
     assert {"int8wo", "int8dq", "8da4w", "int4wo", "int4wo-cuda", "gptq-int4wo", "float8", "nf4", "fp4", "llm.int8"} <= set(SCHEMES)
 
 

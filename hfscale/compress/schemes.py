@@ -40,6 +40,10 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in [
            activations="int8 dynamic", mappings=("symmetric", "asymmetric"), qat=True),
     Scheme("int4wo", "torchao", "int4 weights, float activations, CPU-capable form (IntxWeightOnlyConfig)", 4,
            mappings=("symmetric", "asymmetric"), qat=True),
+    Scheme("int3wo", "torchao", "int3 weights, float activations (IntxWeightOnlyConfig; aggressive, QAT recommended)", 3,
+           mappings=("symmetric", "asymmetric"), qat=True),
+    Scheme("int2wo", "torchao", "int2 weights, float activations (IntxWeightOnlyConfig; PTQ breaks models, QAT needed)", 2,
+           mappings=("symmetric", "asymmetric"), qat=True),
     Scheme("int4wo-cuda", "torchao", "int4 weights with the CUDA tinygemm/mslk kernel (Int4WeightOnlyConfig)", 4,
            granularities=("per-group",), mappings=("asymmetric",), device="cuda", cpu_alternative="int4wo"),
     Scheme("gptq-int4wo", "hfscale", "int4wo grid with GPTQ rounding from calibration batches (hfscale.compress.gptq)", 4,
@@ -131,8 +135,9 @@ def torchao_linear_config(spec: QuantSpec):
     if name == "8da4w":
         return q.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=_granularity(spec),
                                                        weight_mapping_type=_mapping(spec))
-    if name in ("int4wo", "gptq-int4wo"):
-        return q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=_granularity(spec), mapping_type=_mapping(spec))
+    if name in ("int4wo", "gptq-int4wo", "int3wo", "int2wo"):
+        bits = {"int3wo": torch.int3, "int2wo": torch.int2}.get(name, torch.int4)
+        return q.IntxWeightOnlyConfig(weight_dtype=bits, granularity=_granularity(spec), mapping_type=_mapping(spec))
     if name == "int4wo-cuda":
         return q.Int4WeightOnlyConfig(group_size=spec.group_size or 128)
     if name == "float8":
