@@ -50,7 +50,7 @@ BUILTIN = {TINY: tiny_config}
 
 def dimension_configs() -> dict[str, Path]:
     """Published model shapes shipped as config.json files (dimensions only, no weights), so that
-    planning works offline: gemma-3-270m, -1b, -4b, -12b, -27b (text decoders)."""
+    planning works offline: gemma-3-270m, -1b, -4b, -12b, -27b and gemma-4-e2b, -e4b, -31b, -26b-a4b (text decoders)."""
     root = Path(str(resources.files("hfscale") / "data" / "models"))
     return {p.stem: p for p in sorted(root.glob("*.json"))}
 
@@ -70,9 +70,10 @@ def load_config(name_or_path: str):
     if name_or_path in dims:
         import json
 
-        from transformers import Gemma3TextConfig
+        from transformers import AutoConfig
 
-        return Gemma3TextConfig(**{k: v for k, v in json.loads(dims[name_or_path].read_text()).items() if k not in ("model_type", "architectures")})
+        data = json.loads(dims[name_or_path].read_text())
+        return AutoConfig.for_model(data.get("model_type", "gemma3_text"), **{k: v for k, v in data.items() if k not in ("model_type", "architectures")})
     from transformers import AutoConfig
 
     try:

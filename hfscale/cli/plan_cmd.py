@@ -19,7 +19,7 @@ def add_parser(sub):
                        description="Predict per-GPU memory (weights, gradients, optimizer, activations) from a model's "
                        "config alone, and with hardware given, rank strategies and pick the cheapest that fits.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="built-in name (tiny-gemma3, gemma-3-270m..27b), config.json, model dir or hub name")
+    p.add_argument("--model", required=True, help="built-in name (tiny-gemma3, gemma-3-270m..27b, gemma-4-e2b/e4b/31b/26b-a4b), config.json, model dir or hub name")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--micro-batch", type=int, required=True)
     p.add_argument("--checkpointing", default="off", help="off | full | every:K")

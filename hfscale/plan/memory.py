@@ -27,12 +27,22 @@ T = micro_batch x seq tokens, h hidden, I MLP width, q/kv heads of dim d, V voca
   llama bf16: 16Th +  8TI + 6·B·q·S² +  8T·q·d + 8T
 A checkpointed layer saves only its input: 4Th (fp32) / 2Th (bf16).
 Outside the layers: embedding/final norm 12Th (fp32), 10Th (gemma bf16), 8Th (llama bf16); the
-fp32 log-softmax of the logits 4TV (the largest single tensor at Gemma's 262k vocabulary);
-rotary cos/sin 2·S·d·bytes when no layer is checkpointed; ~20T of ids, labels and loss bookkeeping.
+fp32 log-softmax of the logits 4TV (the largest single tensor at Gemma's 262k vocabulary), plus the
+T·V tanh output when final_logit_softcapping is set; rotary cos/sin 2·S·d·bytes for each rotary embedding a
+non-checkpointed layer uses (Gemma 3/4: one per attention type; Llama-likes: one); ~20T of ids, labels and
+loss bookkeeping.
+Gemma sliding layers under sdpa once S >= sliding_window: transformers passes an explicit mask (skipped only
+while kv_length < window), which sdpa saves as an additive one (e·B·S²), and without enable_gqa (needs no
+mask) the keys/values reach sdpa as repeat_kv copies: + 2e·T·(q-kv)·d unless kv is 1 or q.
 Where the coefficients come from: counting the tensors HF's eager Gemma3/Llama layers save (norms
 in fp32 inside bf16 models, q/k norms, repeat_kv-expanded keys/values, softmax probabilities, the
 GeGLU/SwiGLU MLP's three T·I tensors plus the product), confirmed by least squares over random
 shapes with zero residual (benchmarks/plan_accuracy.py re-measures them on every run).
+
+Gemma 4 (gemma4_text) layers differ from one another (head size and K/V heads by attention type, KV-shared
+layers without k/v, k_eq_v, double-wide MLPs, per-layer inputs, MoE), so its activations are summed layer by
+layer from the tensor-by-tensor count in `gemma4_layer_bytes` (same measurement, zero residual on small
+configs of every variant); its final_logit_softcapping adds the T x V tanh output.
 
 LoRA / QLoRA (peft, adapters on every decoder linear): adapters r·(in+out) per linear, trained in fp32
 (4 B weights + 4 B gradients + optimizer state per adapter parameter); the frozen base costs 2 B/param in
@@ -40,7 +50,8 @@ bf16, or NF4's 0.5 B + its double-quantized block constants for QLoRA (embedding
 Inference weights: bf16 2 B, int8 1 B + per-channel fp16 scales, int4 0.5 B + fp16 scale per group of 32.
 
 KV cache (inference): 2 x layers x kv_heads x head_dim x bytes x batch x tokens, where a sliding-window
-layer holds at most `sliding_window` tokens (Gemma 3/4 mix local and global layers).
+layer holds at most `sliding_window` tokens (Gemma 3/4 mix local and global layers; transformers'
+DynamicSlidingWindowLayer keeps window - 1) and Gemma 4's KV-shared layers hold none.
 Fixed overheads are stated separately, never folded in: CUDA context ~0.5 GiB, allocator
 fragmentation ~10% of the peak, first-step warm-up buffers.
 """
@@ -135,18 +146,181 @@ def layer_activation_bytes(d: Dims, B: int, S: int, precision: str, attention: s
     return 24 * T * h + 16 * T * I + 4 * B * q * S * S + 16 * T * q * hd + 8 * T
 
 
+def checkpointed_set(layers: int, checkpointing: str) -> set[int]:
+    """Indices of the checkpointed layers: all for full, every k-th starting with the first for every:K."""
+    mode, k = parse_checkpointing(checkpointing)
+    if mode == "off":
+        return set()
+    return set(range(layers)) if mode == "full" else set(range(0, layers, k))
+
+
+def _rmsnorm_bytes(rows: int, width: int, bf16: bool, input_saved: bool = True, scaled: bool = True) -> int:
+    """What HF's Gemma 3/4 RMSNorm saves: x.float() (in fp32 that is x itself, so it is counted where x is
+    first saved; in bf16 a fresh fp32 copy), two fp32 per-row statistics (mean square + eps, its pow -0.5),
+    and with a weight the fp32 normalised x and (bf16 only) the weight's fp32 copy."""
+    n = 4 * rows * width if input_saved else 0
+    n += 2 * 4 * rows
+    if scaled:
+        n += 4 * rows * width + (4 * width if bf16 else 0)
+    return n
+
+
+def eager_kv_views(B: int, q: int, kv: int, cache: bool) -> bool:
+    """Whether eager attention's two matmuls save the keys/values themselves (views) rather than q-head copies
+    made by repeat_kv / matmul's batch folding. With checkpointing off, transformers' default use_cache=True
+    builds a DynamicCache even in training, whose keys/values are contiguous (B, kv, S, d) tensors: views when
+    kv = q, or kv = 1 at B = 1. Without a cache (checkpointing sets use_cache=False) the keys are transposed
+    projections: views only at B = 1 with kv = 1 or kv = q."""
+    if cache:
+        return kv == q or (kv == 1 and B == 1)
+    return B == 1 and kv in (1, q)
+
+
+def sdpa_masked(d: Dims, attention_type: str, S: int) -> bool:
+    """transformers gives sdpa an explicit mask on a sliding layer once the sequence reaches the window
+    (masking_utils: the causal-mask skip needs kv_length < sliding_window); full layers use is_causal (no
+    padding assumed: packed blocks)."""
+    return attention_type == "sliding_attention" and bool(d.sliding_window) and S >= d.sliding_window
+
+
+def sdpa_kv_as_is(d: Dims, ld, S: int) -> bool:
+    """Whether sdpa saves the layer's keys/values un-repeated: no grouping (kv = q), one K/V head (repeat_kv
+    is then a stride-0 view), or enable_gqa, which transformers' sdpa_attention_forward uses on CUDA/CPU only
+    without a mask and with head_dim <= 256 (Gemma 4's 512-wide global heads get repeat_kv copies)."""
+    return ld.kv_heads in (1, d.heads) or (not sdpa_masked(d, ld.attention, S) and ld.head_dim <= 256)
+
+
+def gemma4_layer_bytes(d: Dims, i: int, B: int, S: int, bf16: bool, attention: str = "sdpa", cache: bool = False) -> int:
+    """Bytes one non-checkpointed Gemma 4 decoder layer saves (transformers' Gemma4TextDecoderLayer, counted
+    tensor by tensor; T = B·S tokens, e = 2 (bf16) / 4 (fp32) bytes, fp32 statistics inside every RMSNorm):
+      input/post-attention/pre-FF/post-FF RMSNorm(h)   4 x [4Th + 8T (+4h bf16)] + 4Th (the normed x)
+      q/k/v and MLP inputs (norm outputs)               2 x eTh
+      q_norm(d) 8T·q·d + 8T·q; k_norm(d) 8T·kv·d + 8T·kv; v_norm (no weight) 4T·kv·d + 8T·kv
+        (k_eq_v: v_norm's input is the k projection, shared with k_norm's in fp32 only: -4T·kv·d)
+      fused attention (sdpa): q, out e·T·q·d each, fp32 logsumexp 4T·q, k, v e·T·kv·d each, or e·T·q·d each
+        when repeat_kv copies them (see sdpa_kv_as_is), and on sliding layers with S >= window the mask eB·S²
+      eager: q, o_proj input e·T·q·d each, fp32 softmax 4B·q·S² (+ bf16 copy 2B·q·S²), and repeat_kv'd k, v
+        e·T·q·d each (copies), or the un-repeated k, v e·T·kv·d when saved as views (see eager_kv_views)
+      GeGLU MLP: gate output (gelu input), gelu output, up, product: 4 x e·T·I
+      layer_scalar buffer e
+    KV-shared layers (num_kv_shared_layers) have no k/v projections or norms and their keys/values are the
+    producing layer's tensors (already counted there). Per-layer inputs (p = hidden_size_per_layer_input):
+      gate input eTh, gelu input / output, product e·T·p each, post_per_layer_input_norm as above.
+    MoE (router + experts, the default grouped_mm experts path, k = top_k, I' = moe_intermediate_size):
+      post_feedforward_layernorm_1/_2 as above; router.norm (no weight) 8T (+4Th bf16: its own fp32 copy);
+      router: normed x eTh, fp32 softmax 4T·E, top-k ids 8Tk, fp32 top-k values, sum and weights 4Tk+4T+4Tk,
+      gathered per_expert_scale eTk; router.proj input eTh; pre_feedforward_layernorm_2 (input shared with
+      pre-FF norm in fp32); experts: sort/gather/scatter ids 3 x 8Tk, offsets 4E, gathered x and down output
+      e·Tk·h each, gate_up output e·Tk·2I', gelu output and product e·Tk·I' each, fp32 routing weights 4Tk.
+    """
+    ld = d.per_layer[i]
+    T, h, q, kv, hd, I = B * S, d.hidden, d.heads, ld.kv_heads, ld.head_dim, ld.intermediate
+    e = 2 if bf16 else 4
+    # layer 0's input in fp32 is the embedding output, counted once outside the layers
+    n = _rmsnorm_bytes(T, h, bf16, input_saved=bf16 or i > 0)  # input_layernorm
+    n += e * T * h  # q/k/v projection input
+    n += _rmsnorm_bytes(T * q, hd, bf16)  # q_norm (its input: q_proj output, in fp32 the same storage)
+    if not ld.kv_shared:
+        n += _rmsnorm_bytes(T * kv, hd, bf16)  # k_norm
+        n += _rmsnorm_bytes(T * kv, hd, bf16, input_saved=bf16 or not ld.k_eq_v, scaled=False)  # v_norm
+    if attention == "sdpa":
+        n += 2 * e * T * q * hd + 4 * T * q  # query, output (= o_proj input), fp32 logsumexp
+        if sdpa_masked(d, ld.attention, S):
+            n += e * B * S * S  # the sliding-window mask, converted to an additive one in the model dtype
+        if not sdpa_kv_as_is(d, ld, S):
+            n += 2 * e * T * q * hd  # repeat_kv'd copies of the keys and values
+        elif not ld.kv_shared:
+            n += 2 * e * T * kv * hd  # rotated keys, normed values
+    else:  # q copy, o_proj input, fp32 softmax (+ its bf16 copy), keys and values for the two matmuls
+        n += 2 * e * T * q * hd + 4 * B * q * S * S + (2 * B * q * S * S if bf16 else 0)
+        if not eager_kv_views(B, q, kv, cache):
+            n += 2 * e * T * q * hd  # repeat_kv'd copies
+        elif not ld.kv_shared:
+            n += 2 * e * T * kv * hd  # the keys / values themselves (stride-0 views, no copy)
+    n += 3 * _rmsnorm_bytes(T, h, bf16)  # post_attention, pre_feedforward, post_feedforward
+    n += e * T * h + 4 * e * T * I  # GeGLU MLP
+    if ld.moe:
+        k, E, Im = d.top_k, d.experts, d.moe_intermediate
+        n += 2 * _rmsnorm_bytes(T, h, bf16)  # post_feedforward_layernorm_1, _2
+        n += _rmsnorm_bytes(T, h, bf16, input_saved=bf16, scaled=False)  # router.norm
+        n += e * T * h + 4 * T * E + 8 * T * k + 4 * T * k + 4 * T + 4 * T * k + e * T * k  # router
+        n += e * T * h  # router.proj input
+        n += _rmsnorm_bytes(T, h, bf16, input_saved=bf16)  # pre_feedforward_layernorm_2
+        n += 3 * 8 * T * k + 4 * E + 2 * e * T * k * h + 4 * e * T * k * Im + 4 * T * k  # experts
+    if d.ple_dim:
+        p = d.ple_dim
+        n += e * T * h + 3 * e * T * p + _rmsnorm_bytes(T, h, bf16)  # per-layer input gate, product, norm
+    return n + e  # layer_scalar
+
+
+def _gemma4_activation_bytes(d: Dims, B: int, S: int, precision: str, checkpointing: str, attention: str) -> dict:
+    """Gemma 4: the layers one by one (they differ), then what lives outside them:
+      ids 8T, target 8T (+8 at B = 1), loss 4, embed scale e; the embedding output eTh once (in fp32 it is layer 0's
+      norm input; saved also by the PLE projection or by a checkpointed layer 0); final RMSNorm and lm_head
+      input eTh; fp32 log-softmax 4TV, plus the tanh output eTV with final_logit_softcapping;
+      rotary cos/sin 2·S·d·e once per attention type that has a non-checkpointed layer (d differs by type);
+      per-layer inputs: the packed table lookup's scale e, RMSNorm(p) over T·L rows, the combined
+      T x L x p input e·T·L·p (one storage, sliced by every layer);
+      a checkpointed layer saves its input eTh; when a K/V producer is checkpointed, its keys and values
+      (2e·T·kv·d) are saved by the first non-checkpointed layer that reuses them (fused attention, or eager
+      attention where the keys/values are saved as views)."""
+    T, h, V, L = B * S, d.hidden, d.vocab, d.layers
+    bf16 = precision == "bf16"
+    e = 2 if bf16 else 4
+    ckpt = checkpointed_set(L, checkpointing)
+    cache = not ckpt  # transformers turns use_cache off when checkpointing in training
+    per = [gemma4_layer_bytes(d, i, B, S, bf16, attention, cache) for i in range(L)]
+    layers = sum(e * T * h if i in ckpt and i > 0 else (0 if i in ckpt else per[i]) for i in range(L))
+    for j in {ld.kv_source for ld in d.per_layer if ld.kv_shared}:
+        pj = d.per_layer[j]
+        as_is = sdpa_kv_as_is(d, pj, S) if attention == "sdpa" else eager_kv_views(B, d.heads, pj.kv_heads, cache)
+        if as_is and j in ckpt and any(ld.kv_source == j and c not in ckpt for c, ld in enumerate(d.per_layer)):
+            layers += 2 * e * T * pj.kv_heads * pj.head_dim
+    # ids, shifted labels (B = 1: a view of the (S+1)-long padded row; else a contiguous copy), loss, embed_scale
+    head = 8 * T + 8 * (T + (B == 1)) + 4 + e
+    if d.ple_dim or 0 in ckpt or not bf16:
+        head += e * T * h  # embedding output
+    head += _rmsnorm_bytes(T, h, bf16) + e * T * h  # final norm, lm_head input
+    if d.ple_dim:
+        head += e + _rmsnorm_bytes(T * L, d.ple_dim, bf16) + e * T * L * d.ple_dim
+    rotary = 0
+    for t in {ld.attention for ld in d.per_layer}:
+        live = [ld for i, ld in enumerate(d.per_layer) if ld.attention == t and i not in ckpt]
+        if live:
+            rotary += 2 * S * live[0].head_dim * e
+    logits = 4 * T * V + (e * T * V if d.final_softcap else 0)
+    recompute = max(per) if ckpt else 0
+    return {"layers": layers, "head": head + rotary, "logits": logits, "total": layers + head + rotary + logits,
+            "recompute_working": recompute}
+
+
 def activation_bytes(d: Dims, B: int, S: int, precision: str = "bf16", checkpointing: str = "off",
                      attention: str = "sdpa") -> dict:
     """Bytes saved for backward by one micro batch (B sequences of S tokens), split into parts."""
+    if d.family == "gemma4":
+        return _gemma4_activation_bytes(d, B, S, precision, checkpointing, attention)
     T = B * S
     elem = 2 if precision == "bf16" else 4
-    n_ckpt = checkpointed_layers(d.layers, checkpointing)
+    ckpt = checkpointed_set(d.layers, checkpointing)
+    n_ckpt = len(ckpt)
     per_layer = layer_activation_bytes(d, B, S, precision, attention)
     layers = (d.layers - n_ckpt) * per_layer + n_ckpt * elem * T * d.hidden
+    live = [ld for i, ld in enumerate(d.layers_dims()) if i not in ckpt]
+    if d.family == "gemma" and attention == "sdpa":
+        # a sliding layer at S >= window gets an explicit mask (saved as an additive one, eB·S²) and then no
+        # enable_gqa: repeat_kv'd keys/values (e·T·q·d each instead of e·T·kv·d) unless kv = 1 or kv = q
+        masked = sum(sdpa_masked(d, ld.attention, S) for ld in live)
+        copies = 0 if d.kv_heads in (1, d.heads) else 2 * elem * T * (d.heads - d.kv_heads) * d.head_dim
+        layers += masked * (elem * B * S * S + copies)
     head_h = 12 if precision == "fp32" else (10 if d.family == "gemma" else 8)
     head = head_h * T * d.hidden + 20 * T + (4 * d.hidden if d.family == "gemma" else 0)
-    rotary = 2 * S * d.head_dim * elem if n_ckpt == 0 else 0
+    # rotary cos/sin, saved once per rotary embedding used by a non-checkpointed layer: Gemma 3 has one per
+    # attention type (local / global bases), Llama-likes one for all layers
+    ropes = len({ld.attention for ld in live}) if d.family == "gemma" else int(bool(live))
+    rotary = 2 * S * d.head_dim * elem * ropes
     logits = 4 * T * d.vocab  # fp32 log-softmax of the logits, kept for the loss backward
+    if d.final_softcap:
+        logits += elem * T * d.vocab  # tanh output of final_logit_softcapping (Gemma 2/3)
     # recompute working memory: one checkpointed layer's activations rebuilt during backward
     recompute = per_layer if n_ckpt else 0
     return {"layers": layers, "head": head + rotary, "logits": logits, "total": layers + head + rotary + logits,
@@ -154,10 +328,31 @@ def activation_bytes(d: Dims, B: int, S: int, precision: str = "bf16", checkpoin
 
 
 def lora_params(d: Dims, r: int) -> int:
-    """r x (in + out) for q, k, v, o, gate, up, down of every layer (peft target_modules="all-linear")."""
-    h, q, kv, I = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim, d.intermediate
-    per_layer = r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + I) + (I + h))
-    return d.layers * per_layer
+    """r x (in + out) for every decoder nn.Linear (peft target_modules="all-linear", which skips the lm_head):
+    q, k, v, o, gate, up, down of every layer. Gemma 4 per layer: its own head size and K/V heads, no k/v on
+    KV-shared layers, no v with k_eq_v, its MLP width, per-layer-input gate h->p and projection p->h, the MoE
+    router's h->E (experts are 3-D parameters, not Linear: no adapters); once: the PLE projection h->L*p."""
+    if not d.per_layer:
+        h, q, kv, I = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim, d.intermediate
+        per_layer = r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + I) + (I + h))
+        return d.layers * per_layer
+    h, p = d.hidden, d.ple_dim
+    n = r * (h + d.layers * p) if p else 0
+    for ld in d.per_layer:
+        q, kv, I = d.heads * ld.head_dim, ld.kv_heads * ld.head_dim, ld.intermediate
+        n += r * ((h + q) + (q + h) + 2 * (h + I) + (I + h))
+        if not ld.kv_shared:
+            n += r * (h + kv) * (1 if ld.k_eq_v else 2)
+        if p:
+            n += r * 2 * (h + p)
+        if ld.moe:
+            n += r * (h + d.experts)
+    return n
+
+
+def expert_params(d: Dims) -> int:
+    """MoE expert weights (3-D parameters, not nn.Linear: bitsandbytes leaves them 16-bit, LoRA skips them)."""
+    return sum(3 * d.experts * d.hidden * d.moe_intermediate for ld in d.per_layer if ld.moe)
 
 
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 * 1.0 / 4 + 4 / (64 * 256)  # 4-bit codes + double-quantized block absmax
@@ -171,8 +366,8 @@ def shard(weights: int, grads: int, optim: int, zero: int, n: int) -> tuple[int,
 def _lora_states(d: Dims, s: Strategy) -> dict:
     """Frozen base + trainable adapters (peft keeps adapters in fp32, so no separate master copy)."""
     A, N = lora_params(d, s.lora_rank), s.dp
-    body = d.params - d.embedding_params - (0 if d.tied else d.embedding_params)
-    if s.base_bits == 4:  # embeddings / lm_head stay 16-bit under bitsandbytes
+    body = d.params - d.embedding_params - (0 if d.tied else d.embedding_params) - d.ple_embedding_params - expert_params(d)
+    if s.base_bits == 4:  # embeddings (Gemma 4's per-layer table too), lm_head and MoE experts stay 16-bit under bitsandbytes
         base = int(body * NF4_BYTES_PER_PARAM) + 2 * (d.params - body)
     else:
         base = (2 if s.precision == "bf16" else 4) * d.params
@@ -189,26 +384,33 @@ def model_state_bytes(d: Dims, s: Strategy) -> dict:
     master = 4 if s.precision == "bf16" else 0
     opt_b = master + OPTIMIZER_STATE_BYTES[s.optimizer]
     weights, grads, optim = shard(w_b * P, g_b * P, opt_b * P, s.zero, N)
-    cpu = 0
+    off = {"optimizer": 0, "gradients": 0, "weights": 0}
     live = 4 * d.largest_layer_params if s.zero == 3 else 0
     if s.offload != "none":
-        # ZeRO-Offload: the optimizer step runs on the CPU, so the fp32 gradient partition lives there too;
-        # the GPU keeps only the 16-bit reduce buckets (counted as zero here)
-        cpu += optim + 4 * P // N
+        # ZeRO-Offload: the optimizer step runs on the CPU, so per rank the optimizer partition (bf16: fp32
+        # master 4Ψ/N + Adam moments 8Ψ/N) and the fp32 gradient partition 4Ψ/N live there (DeepSpeed keeps
+        # that .grad allocated on the offload device); the GPU keeps only the 16-bit reduce buckets (counted as
+        # zero here). ZeRO-3 with offload_param also moves the 16-bit weight partition 2Ψ/N.
+        # (benchmarks/plan_accuracy.py checks each part against the elements real 2-process DeepSpeed ranks held)
+        off = {"optimizer": optim, "gradients": 4 * P // N, "weights": weights if s.zero == 3 else 0}
         optim = 0
         grads = 0
         if s.zero == 3:
-            cpu += weights
             weights = 0
-    return {"weights": weights, "gradients": grads, "optimizer": optim, "zero3_live": live, "offloaded_per_rank": cpu}
+    return {"weights": weights, "gradients": grads, "optimizer": optim, "zero3_live": live,
+            "offloaded_per_rank": sum(off.values()), "offloaded": off}
 
 
 def kv_cache_bytes(d: Dims, batch: int, tokens: int, bytes_per_elem: int = 2) -> int:
+    """2 (K and V) x kv_heads x head_dim x bytes x batch x tokens held, summed over layers: a sliding-window layer
+    holds at most `sliding_window` tokens; Gemma 4's layers have their own head size / K/V heads, and its
+    KV-shared layers (num_kv_shared_layers) read an earlier layer's cache and hold none."""
     total = 0
-    types = d.layer_types or ("full_attention",) * d.layers
-    for t in types[: d.layers]:
-        held = min(tokens, d.sliding_window) if t == "sliding_attention" and d.sliding_window else tokens
-        total += 2 * d.kv_heads * d.head_dim * bytes_per_elem * batch * held
+    for ld in d.layers_dims():
+        if ld.kv_shared:
+            continue
+        held = min(tokens, d.sliding_window) if ld.attention == "sliding_attention" and d.sliding_window else tokens
+        total += 2 * ld.kv_heads * ld.head_dim * bytes_per_elem * batch * held
     return total
 
 
@@ -219,7 +421,7 @@ def inference_bytes(d: Dims, quant: str, batch: int, context: int) -> dict:
     """Serving memory: decoder weights at a quantization scheme (embeddings stay bf16) + KV cache."""
     if quant not in QUANT_BYTES_PER_PARAM:
         raise HfscaleError(f"--quant must be one of {', '.join(QUANT_BYTES_PER_PARAM)}")
-    emb = d.embedding_params * (1 if d.tied else 2)
+    emb = d.embedding_params * (1 if d.tied else 2) + d.ple_embedding_params
     weights = int((d.params - emb) * QUANT_BYTES_PER_PARAM[quant]) + 2 * emb
     kv = kv_cache_bytes(d, batch, context)
     return {"weights": weights, "kv_cache": kv, "total": weights + kv}
@@ -239,6 +441,7 @@ def predict(d: Dims, s: Strategy) -> dict:
         "zero3_live": states["zero3_live"],
         "total": total,
         "offloaded_per_rank": states["offloaded_per_rank"],
+        "offloaded": states.get("offloaded", {"optimizer": 0, "gradients": 0, "weights": 0}),
         "overheads_not_included": {"cuda_context": CUDA_CONTEXT_BYTES, "fragmentation": int(FRAGMENTATION * total)},
         "params": d.params,
         "trainable_params": states.get("trainable", d.params),
