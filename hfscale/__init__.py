@@ -7,6 +7,7 @@ For existing training code:
     args = TrainingArguments("out", **hfscale.training_arguments_kwargs(hfscale.preset("zero3")))
     ds_dict = hfscale.to_deepspeed(hfscale.preset("zero2"))
     findings = hfscale.doctor.check(accelerate="accelerate_configs/zero3.yaml")
+    hfscale.prepare_qat_(model, "8da4w"); ...train...; hfscale.convert_qat_(model, "8da4w")   # or QATCallback
 """
 
 __version__ = "0.1.0"
@@ -20,8 +21,10 @@ _LAZY = {
     "to_deepspeed": ".scale.deepspeed", "to_accelerate": ".scale.accelerate",
     "make_accelerator": ".scale.runtime", "make_optimizer": ".scale.runtime", "training_arguments_kwargs": ".scale.runtime",
     "load_spec": ".scale.load", "write_config_sets": ".scale.files",
+    "prepare_qat_": ".compress.qat", "convert_qat_": ".compress.qat", "QATCallback": ".compress.qat",
+    "QuantSpec": ".compress.schemes", "SCHEMES": ".compress.schemes",
 }
-_SUBMODULES = {"doctor", "plan", "models", "corpus", "proof", "scale"}
+_SUBMODULES = {"doctor", "plan", "models", "corpus", "proof", "scale", "compress", "export", "train"}
 
 __all__ = ["ConfigError", "HfscaleError", "__version__", *_LAZY, *_SUBMODULES]
 
