@@ -74,3 +74,19 @@ def test_refusals_write_nothing(trained, tmp_path):
     with pytest.raises(HfscaleError, match="max_seq_len"):
         FORMATS["pte"].export(trained, out, "fp32", False, max_seq_len=24)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_decode_program_builds_from_a_model_saved_by_training():
+    """The recipe trains with checkpointing (use_cache=False in the saved config); the KV-cache decode
+    module must still build from such a model (the demo's QAT -> .pte path hit this)."""
+    from hfscale.export.pte import decode_module
+    from hfscale.models import build_model
+
+    m = build_model("tiny-gemma3").eval()
+    m.config.use_cache = False
+    mod = decode_module(m, 32)
+    import torch
+
+    with torch.no_grad():
+        out = mod(input_ids=torch.tensor([[5]]), cache_position=torch.tensor([0]))
+    assert out.shape[-1] == m.config.vocab_size

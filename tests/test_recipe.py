@@ -256,6 +256,7 @@ def test_recipe_trains_saves_and_reloads(tmp_path, config, distributed):
     from hfscale.train.state import saved_numel
 
     assert saved_numel(out / "model")[0] == 3_001_920
+    assert json.loads((out / "model" / "config.json").read_text())["use_cache"] is True  # trained without, saved for decoding
     final = read_records(out / "metrics.jsonl", "eval")[6]
     # live model (bf16 under DeepSpeed, autocast under DDP, ranks' shares) vs reloaded: measured
     # |delta| <= 5e-5; 1e-3 still catches a wrong or partial save (those move the loss by > 0.1)

@@ -45,6 +45,8 @@ def decode_module(model, max_seq_len: int):
     """forward(input_ids[1,1], cache_position[1]) with the KV cache held as module buffers."""
     from transformers.integrations.executorch import TorchExportableModuleWithHybridCache
 
+    # a model saved from training with checkpointing carries use_cache=False; decoding needs the cache
+    model.config.use_cache = True
     return TorchExportableModuleWithHybridCache(model, batch_size=1, max_cache_len=max_seq_len).eval()
 
 

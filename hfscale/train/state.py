@@ -157,6 +157,8 @@ def save_final(accelerator, model, tokenizer, out: str | os.PathLike) -> dict:
         tmp = out.with_name(f".{out.name}.partial")
         shutil.rmtree(tmp, ignore_errors=True)
         state = _drop_tied(accelerator.unwrap_model(model), state)
+        # checkpointing switched the KV cache off for training; the saved model is for inference and fine-tuning
+        accelerator.unwrap_model(model).config.use_cache = True
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         numel, nbytes = saved_numel(tmp)
