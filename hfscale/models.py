@@ -110,6 +110,13 @@ def build_model(name_or_path: str, seed: int = 0, dtype=None):
         raise HfscaleError(_not_found(name_or_path, e)) from None
 
 
+def load_for_eval(name_or_path: str, dtype=None):
+    """(model in eval mode, tokenizer): what scoring, export and PTQ start from (fp32 unless `dtype`)."""
+    import torch
+
+    return build_model(name_or_path, dtype=dtype or torch.float32).eval(), load_tokenizer(name_or_path)
+
+
 def _not_found(name: str, err: Exception) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (

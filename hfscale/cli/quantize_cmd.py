@@ -100,18 +100,13 @@ def _calibration(args, model_name: str):
     from ..errors import HfscaleError
     from ..models import load_tokenizer
 
-    if not args.calibration:
-        return None
-    tok = load_tokenizer(model_name)
-    if args.calibration == "builtin":
-        from ..compress.evaluate import calibration_blocks
-
-        return calibration_blocks(tok, args.calibration_blocks, args.seq_len)
-    if not Path(args.calibration).is_file():
-        raise HfscaleError(f"calibration file {args.calibration} not found; pass 'builtin' or an existing text/jsonl/parquet file")
     from ..compress.evaluate import calibration_blocks
 
-    return calibration_blocks(tok, args.calibration_blocks, args.seq_len, data=args.calibration)
+    if not args.calibration:
+        return None
+    if args.calibration != "builtin" and not Path(args.calibration).is_file():
+        raise HfscaleError(f"calibration file {args.calibration} not found; pass 'builtin' or an existing text/jsonl/parquet file")
+    return calibration_blocks(load_tokenizer(model_name), args.calibration_blocks, args.seq_len, data=args.calibration)
 
 
 def _run_ptq(args) -> int:

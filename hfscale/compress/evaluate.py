@@ -71,15 +71,6 @@ def recovered(ppl_float: float, ppl_ptq: float, ppl_qat: float) -> float | None:
     return None if loss <= 0 else (ppl_ptq - ppl_qat) / loss
 
 
-def load_eval_model(path: str):
-    """A model as a user would reload it: built-in name (seeded init), or a directory / hub name."""
-    import torch
-
-    from ..models import build_model, load_tokenizer
-
-    return build_model(path, dtype=torch.float32).eval(), load_tokenizer(path)
-
-
 def model_bytes(path: str, model) -> int:
     """Bytes of the weight files when `path` is a directory, else of the in-memory tensors."""
     from pathlib import Path
@@ -94,9 +85,11 @@ def evaluate_models(paths: list[str], ed: EvalData = EvalData(), progress: bool 
     """One row per model: perplexity, bytes and top-1 agreement with the first model (the reference)."""
     from tqdm.auto import tqdm
 
+    from ..models import load_for_eval
+
     rows, ref_top1, blocks = [], None, None
     for path in tqdm(paths, desc="eval", disable=not progress):
-        model, tok = load_eval_model(path)
+        model, tok = load_for_eval(path)  # as a user reloads it (quantized dirs too)
         if blocks is None:
             blocks = heldout_blocks(tok, ed)  # every model is scored on the first model's tokens
         nll, n, top1 = score(model, blocks, ed.batch_size, want_top1=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..atomic import check_writable
 from ..errors import HfscaleError
+from ..models import load_for_eval
 from . import evalset as E
 from .sidecar import sidecar_path, source_info, write_sidecar
 
@@ -29,14 +30,6 @@ def _staging(out: Path) -> Path:
     return out.parent / f".{out.name}.staging{out.suffix}"
 
 
-def _load(model: str):
-    import torch
-
-    from ..models import build_model, load_tokenizer
-
-    return build_model(model, dtype=torch.float32).eval(), load_tokenizer(model)
-
-
 def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed_qtype: str | None = None,
                 verify: bool = True, evalset: E.EvalSet = E.EvalSet(), progress: bool = True) -> dict:
     from .gguf import GGUFOptions, check_supported, norm_convention, write_gguf
@@ -44,7 +37,7 @@ def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed
     opts = GGUFOptions(qtype, embed_qtype)
     out, cfg = _prepare(model, out, force)
     check_supported(cfg)
-    m, tok = _load(model)
+    m, tok = load_for_eval(model)
     stage = _staging(out)
     t0 = time.perf_counter()
     try:
@@ -78,7 +71,7 @@ def export_pte(model: str, out, qtype: str = "8da4w", force: bool = False, max_s
     es = evalset or E.EvalSet(prompt_tokens=min(96, max_seq_len), seq_len=max_seq_len)
     if max(es.prompt_tokens, es.seq_len) > max_seq_len or 16 + n_generate > max_seq_len:
         raise HfscaleError(f"max_seq_len={max_seq_len} is shorter than the verification sequences; raise it")
-    fp32, tok = _load(model)
+    fp32, tok = load_for_eval(model)
     same = copy.deepcopy(fp32)
     if qtype == "8da4w":
         quantize_8da4w_(same)
