@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hfscale.atomic import write_text_atomic  # noqa: E402
-from hfscale.models import build_model, tiny_config  # noqa: E402
+from hfscale.models import tiny_config  # noqa: E402
 from hfscale.plan.dims import dims_from_config  # noqa: E402
 from hfscale.plan.measure import saved_activation_bytes  # noqa: E402
 from hfscale.plan.memory import activation_bytes  # noqa: E402

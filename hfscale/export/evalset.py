@@ -35,10 +35,10 @@ def prompt_ids(tokenizer, es: EvalSet) -> list[list[int]]:
 
 
 def ppl_blocks(tokenizer, es: EvalSet):
-    from ..corpus import load_text, packed_blocks
+    """The first `ppl_blocks` packed blocks of the validation split: the same slice `hfscale eval` scores."""
+    from ..compress.evaluate import EvalData, heldout_blocks
 
-    val = load_text()["validation"]["text"]
-    return packed_blocks(tokenizer, val, es.seq_len)[: es.ppl_blocks]
+    return heldout_blocks(tokenizer, EvalData(seq_len=es.seq_len, n_blocks=es.ppl_blocks))
 
 
 def nll_from_logits(logits, ids) -> tuple[float, int]:
