@@ -94,3 +94,16 @@ def test_qat_recipe_lora_and_distillation_in_one_process(tmp_path, trained):
     assert not any("lora" in k for k in keys)  # merged into the base, then quantized
     report = json.loads((out / "quality.json").read_text())
     assert report["lora_rank"] == 4 and report["distill"] == 0.5 and report["group_size"] == 0
+
+
+def test_qat_schedule_decays_to_zero_pretraining_does_not():
+    """QAT's cosine ends at 0 (benchmarks/compress.py: a constant lr left 8da4w at -3.5% recovered);
+    plain training keeps its 10% floor."""
+    from hfscale.train.config import QATRecipeConfig, TrainConfig
+    from hfscale.train.loop import lr_at
+
+    qat = QATRecipeConfig(max_steps=100, warmup_steps=10, lr=1e-4)
+    assert lr_at(100, qat) == 0.0 and 0 < lr_at(99, qat) < 1e-4 * 1e-3
+    assert lr_at(10, qat) == pytest.approx(1e-4)
+    plain = TrainConfig(max_steps=100, warmup_steps=10, lr=1e-4)
+    assert lr_at(100, plain) == pytest.approx(1e-5)
