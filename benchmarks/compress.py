@@ -2,27 +2,31 @@
 
 1. PTQ, every CPU-capable scheme of the registry: weight bytes, held-out perplexity, top-1 agreement
    with the float model (gptq-int4wo with 32 calibration blocks from the *train* split).
-2. QAT vs PTQ, for 8da4w and int4 weight-only (group 32 and per-channel), plain and distilled: the same fine-tune (data
-   order, steps, lr) run three ways from the same trained start -
+2. QAT vs PTQ, for 8da4w and int4 weight-only (group 32; per-channel, 3 and 2 bits as stress rows; a distilled pair):
+   the same fine-tune (benchmarks/finetune.py: data order, steps, lr schedule, loss) from the same trained start -
        control  no fake quantization                    -> ppl_float(control), ppl_PTQ(control)
        QAT      fake-quantized linears, then convert    -> ppl_QAT
    recovered (vs control) = (ppl_PTQ(control) - ppl_QAT) / (ppl_PTQ(control) - ppl_float(control))
    recovered (vs start)   = (ppl_PTQ(start) - ppl_QAT) / (ppl_PTQ(start) - ppl_float(start))   [torchao's way]
-   The control keeps the extra fine-tuning from being counted as QAT's win.
-3. QAT's training-speed cost: seconds per step with fake quantization / without, same run.
+   The control keeps the extra fine-tuning from being counted as QAT's win. The headline schemes are
+   repeated over --seeds data orders; arms run --jobs at a time, one process each.
+3. QAT's training-speed cost: seconds per step with fake quantization / without, alternated in one process.
 
-    .venv/bin/python benchmarks/compress.py [--steps 300] [--base-steps 1200]
+    .venv/bin/python benchmarks/compress.py [--steps 1200] [--seeds 2] [--jobs 2]   # ~40 min on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
+import multiprocessing
+import os
+import statistics
 import sys
 import tempfile
-import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -34,13 +38,15 @@ sys.path.insert(0, str(ROOT))
 from hfscale.atomic import write_text_atomic  # noqa: E402
 from hfscale.compress.evaluate import EvalData, calibration_blocks, heldout_blocks, recovered, score  # noqa: E402
 from hfscale.compress.ptq import ptq_in_memory, quantized_bytes_in_memory  # noqa: E402
-from hfscale.compress.qat import convert_qat_, distillation_loss, prepare_qat_  # noqa: E402
+from hfscale.compress.qat import convert_qat_, prepare_qat_  # noqa: E402
 from hfscale.compress.schemes import QuantSpec  # noqa: E402
 from hfscale.corpus import load_text, packed_blocks  # noqa: E402
 from hfscale.models import build_model, load_tokenizer  # noqa: E402
 from hfscale.pretrained import TinyTraining, trained_tiny  # noqa: E402
 
-ED = EvalData(n_blocks=64, seq_len=128)  # 64 x 127 = 8,128 scored tokens
+from finetune import FineTune, finetune  # noqa: E402  (benchmarks/finetune.py)
+
+ED = EvalData(n_blocks=210, seq_len=128)  # the whole validation split of the built-in corpus: 210 x 127 = 26,670 tokens
 
 
 def measure(model, blocks, ref_top1=None) -> dict:
@@ -49,30 +55,6 @@ def measure(model, blocks, ref_top1=None) -> dict:
     if ref_top1 is not None:
         out["top1_vs_float"] = float((top1 == ref_top1).float().mean())
     return out, top1
-
-
-def finetune(model, train, steps: int, lr: float, batch: int, teacher=None, distill: float = 0.0) -> float:
-    """Plain AdamW loop, fixed data order (seed 1), linear warm-up 10 steps then constant. Returns s/step."""
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    t0 = time.perf_counter()
-    for s in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (s + 1) / 10)
-        b = train[order[(torch.arange(batch) + s * batch) % len(train)]]
-        if teacher is None:
-            loss = model(input_ids=b, labels=b).loss
-        else:
-            with torch.no_grad():
-                t = teacher(input_ids=b).logits
-            loss = distillation_loss(model(input_ids=b).logits, t, b, distill)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    model.eval()
-    return (time.perf_counter() - t0) / steps
 
 
 def ptq_rows(base: str, blocks, ref_top1, tok) -> list[dict]:
@@ -92,47 +74,99 @@ def ptq_rows(base: str, blocks, ref_top1, tok) -> list[dict]:
     return rows
 
 
-def qat_rows(base: str, blocks, train, steps: int, lr: float, batch: int, work: Path) -> tuple[list[dict], dict]:
-    """QAT runs, each against the control with the *same* loss (plain CE, or CE + KL to the start model)."""
+QAT_SCHEMES = {"8da4w": 32, "int4wo": 32, "int4wo/channel": 0, "int3wo": 32, "int2wo": 32}
+
+
+def spec_of(name: str) -> QuantSpec:
+    return QuantSpec(name.split("/")[0], group_size=QAT_SCHEMES[name])
+
+
+def run_arm(base: str, arm: dict, threads: int) -> dict:
+    """One fine-tune from the trained start, in its own process. arm: {"scheme": None (control) or a
+    QAT_SCHEMES key, "ft": FineTune fields, "ptq": schemes to PTQ (control only)}. Returns perplexities."""
+    torch.set_num_threads(threads)
     from hfscale.compress.save import save_model_dir
 
-    start = build_model(base, dtype=torch.float32).eval()
-    ppl_start = measure(start, blocks)[0]["perplexity"]
-    controls = {}
-    for distill in tqdm((0.0, 0.5), desc="control runs"):
-        control = copy.deepcopy(start)
-        s = finetune(control, train, steps, lr, batch, teacher=start if distill else None, distill=distill)
-        save_model_dir(control, work / f"control-{distill}", tokenizer=load_tokenizer(base), force=True)
-        controls[distill] = {"dir": str(work / f"control-{distill}"), "s_per_step": s,
-                             "ppl_float": measure(control, blocks)[0]["perplexity"]}
+    ft = FineTune(**arm["ft"])
+    tok = load_tokenizer(base)
+    blocks = heldout_blocks(tok, ED)
+    train = packed_blocks(tok, load_text()["train"]["text"], ED.seq_len)
+    model = build_model(base, dtype=torch.float32)
+    teacher = build_model(base, dtype=torch.float32).eval().requires_grad_(False) if ft.distill else None
+    out = dict(arm)
+    if arm["scheme"] is None:
+        out["s_per_step"] = finetune(model, train, ft, teacher)
+        out["ppl_float"] = measure(model, blocks)[0]["perplexity"]
+        with tempfile.TemporaryDirectory() as tmp:
+            save_model_dir(model, Path(tmp) / "control", tokenizer=tok, force=True)
+            out["ppl_ptq"] = {name: measure(ptq_in_memory(str(Path(tmp) / "control"), spec_of(name)), blocks)[0]["perplexity"]
+                              for name in arm["ptq"]}
+    else:
+        spec = spec_of(arm["scheme"])
+        out["s_per_step"] = finetune(prepare_qat_(model, spec), train, ft, teacher)
+        out["ppl_qat"] = measure(convert_qat_(model, spec), blocks)[0]["perplexity"]
+    return out
+
+
+def qat_rows(base: str, ft: FineTune, seeds: tuple[int, ...], jobs: int) -> tuple[list[dict], list[dict]]:
+    """Every QAT arm against the control with the same seed (data order) and loss, arms run `jobs` at a time.
+
+    Seed 1 runs every scheme and a distilled pair; further seeds repeat the two headline schemes, so
+    the spread across data orders is on the table next to the mean."""
+    arms = []
+    for seed in seeds:
+        names = list(QAT_SCHEMES) if seed == seeds[0] else ["8da4w", "int4wo"]
+        f = asdict(replace(ft, seed=seed))
+        arms += [{"scheme": None, "ft": f, "ptq": names}] + [{"scheme": n, "ft": f} for n in names]
+    fd = asdict(replace(ft, seed=seeds[0], distill=0.5))
+    arms += [{"scheme": None, "ft": fd, "ptq": ["int4wo"]}, {"scheme": "int4wo", "ft": fd}]
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    done = []
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futs = [pool.submit(run_arm, base, arm, threads) for arm in arms]
+        for fut in tqdm(as_completed(futs), total=len(futs), desc=f"fine-tune arms ({jobs} at a time)"):
+            done.append(fut.result())
+    key = lambda a: (a["ft"]["seed"], a["ft"]["distill"])  # noqa: E731
+    controls = {key(a): a for a in done if a["scheme"] is None}
     rows = []
-    variants = [("8da4w", 32, 0.0), ("8da4w", 32, 0.5), ("int4wo", 32, 0.0), ("int4wo", 0, 0.0), ("int4wo", 0, 0.5),
-                ("int3wo", 32, 0.0), ("int2wo", 32, 0.0)]  # 3 and 2 bits: where PTQ's loss is large enough to measure
-    for scheme, gs, distill in tqdm(variants, desc="QAT runs"):
-        spec, ctl = QuantSpec(scheme, group_size=gs), controls[distill]
-        ppl_ptq_start = measure(ptq_in_memory(base, spec), blocks)[0]["perplexity"]
-        ppl_ptq_control = measure(ptq_in_memory(ctl["dir"], spec), blocks)[0]["perplexity"]
-        model = prepare_qat_(copy.deepcopy(start), spec)
-        s_qat = finetune(model, train, steps, lr, batch, teacher=start if distill else None, distill=distill)
-        ppl_qat = measure(convert_qat_(model, spec), blocks)[0]["perplexity"]
-        rows.append({"scheme": scheme, "group_size": gs, "distill": distill, "steps": steps,
-                     "ppl_float_start": ppl_start, "ppl_ptq_start": ppl_ptq_start,
-                     "ppl_float_control": ctl["ppl_float"], "ppl_ptq_control": ppl_ptq_control, "ppl_qat": ppl_qat,
-                     "recovered_vs_control": recovered(ctl["ppl_float"], ppl_ptq_control, ppl_qat),
-                     "recovered_vs_start": recovered(ppl_start, ppl_ptq_start, ppl_qat),
-                     "s_per_step_qat": s_qat, "s_per_step_control": ctl["s_per_step"],
-                     "qat_step_time_ratio": s_qat / ctl["s_per_step"]})
-    return rows, {str(k): {kk: vv for kk, vv in v.items() if kk != "dir"} for k, v in controls.items()}
+    for a in sorted((a for a in done if a["scheme"]), key=lambda a: (list(QAT_SCHEMES).index(a["scheme"]), key(a))):
+        c = controls[key(a)]
+        rows.append({"scheme": a["scheme"], "seed": a["ft"]["seed"], "distill": a["ft"]["distill"],
+                     "steps": ft.steps, "ppl_float_control": c["ppl_float"], "ppl_ptq_control": c["ppl_ptq"][a["scheme"]],
+                     "ppl_qat": a["ppl_qat"],
+                     "recovered_vs_control": recovered(c["ppl_float"], c["ppl_ptq"][a["scheme"]], a["ppl_qat"])})
+    return rows, sorted(controls.values(), key=key)
+
+
+def qat_cost(base: str, train, ft: FineTune, chunk: int = 20, rounds: int = 3) -> dict:
+    """QAT's training-speed cost: s/step with fake quantization over s/step without, one process, chunks
+    alternated so both see the same machine load. Median of the per-round ratios."""
+    out = {}
+    for name in ("8da4w", "int4wo"):
+        plain, qat = build_model(base, dtype=torch.float32), prepare_qat_(build_model(base, dtype=torch.float32), spec_of(name))
+        short = replace(ft, steps=chunk)
+        ratios = []
+        for r in range(rounds):
+            t_plain = finetune(plain, train, replace(short, seed=r))
+            t_qat = finetune(qat, train, replace(short, seed=r))
+            ratios.append(t_qat / t_plain)
+        out[name] = {"ratios": ratios, "median": statistics.median(ratios)}
+    return out
 
 
 def pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def start_ptq(res: dict, name: str) -> float:
+    spec = spec_of(name)
+    return next(r["perplexity"] for r in res["ptq"] if r["scheme"] == spec.scheme and r["group_size"] == spec.group_size)
+
+
 def markdown(res: dict) -> str:
     lines = ["# Compression quality: PTQ and QAT on the trained tiny Gemma 3", "",
              f"Generated by `benchmarks/compress.py`. Base: {res['base']} ({res['base_training']}). Held-out perplexity over "
-             f"{res['eval_tokens']:,} tokens of the built-in corpus's validation split (never trained on).", "",
+             f"{res['eval_tokens']:,} tokens: the whole validation split of the built-in corpus (never trained on).", "",
              "## PTQ", "", "| scheme | group | weight bytes in memory | vs float | perplexity | top-1 vs float |",
              "|---|---:|---:|---:|---:|---:|",
              f"| float32 | - | {res['float']['bytes']:,} | 1.000 | {res['float']['perplexity']:.3f} | 1.000 |"]
@@ -143,25 +177,41 @@ def markdown(res: dict) -> str:
         group = "-" if r["scheme"] in ("nf4", "fp4", "llm.int8") else (r["group_size"] or "channel")
         lines.append(f"| {r['scheme']} | {group} | {r['bytes']:,} | {r['bytes'] / res['float']['bytes']:.3f} | "
                      f"{r['perplexity']:.3f} | {r['top1_vs_float']:.3f} |")
-    lines += ["", f"## QAT vs PTQ ({res['qat'][0]['steps']} fine-tuning steps, lr {res['lr']}, batch {res['batch']} x 128)", "",
-              "| scheme | group | distill | float start | PTQ start | float control | PTQ control | QAT | recovered vs control | "
-              "recovered vs start | QAT s/step / control |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ft = res["finetune"]
+    lines += ["", f"## QAT vs PTQ ({ft['steps']} fine-tuning steps, batch {ft['batch']} x {ED.seq_len}, AdamW lr {ft['lr']}, "
+              f"warm-up {ft['warmup']} then cosine to 0)", "",
+              "| scheme | group | seed | distill | float control | PTQ control | QAT | recovered vs control | "
+              "recovered vs start (torchao's way) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["qat"]:
-        lines.append(f"| {r['scheme']} | {r['group_size'] or 'channel'} | {r['distill']} | {r['ppl_float_start']:.3f} | "
-                     f"{r['ppl_ptq_start']:.3f} | {r['ppl_float_control']:.3f} | {r['ppl_ptq_control']:.3f} | {r['ppl_qat']:.3f} | "
-                     f"{pct(r['recovered_vs_control'])} | {pct(r['recovered_vs_start'])} | {r['qat_step_time_ratio']:.2f} |")
-    lines += ["", "recovered vs control = (PTQ(control) - QAT) / (PTQ(control) - float(control)): the control is the same "
-              "fine-tune (same data order, steps, lr and loss - distill 0.5 = half CE, half KL to the start model) without "
-              "fake quantization, so extra training is not counted as QAT's win. recovered vs start is torchao's convention "
-              "and includes the fine-tune's own gain. s/step ratio: QAT over its control, same process.", ""]
-    return "\n".join(lines)
+        ptq0 = start_ptq(res, r["scheme"])
+        lines.append(f"| {r['scheme'].split('/')[0]} | {spec_of(r['scheme']).group_size or 'channel'} | {r['seed']} | {r['distill']} | "
+                     f"{r['ppl_float_control']:.3f} | {r['ppl_ptq_control']:.3f} | {r['ppl_qat']:.3f} | "
+                     f"**{pct(r['recovered_vs_control'])}** | {pct(recovered(res['float']['perplexity'], ptq0, r['ppl_qat']))} |")
+    lines += ["", "Mean over data orders (plain CE):", "", "| scheme | group | seeds | recovered vs control, each | mean |",
+              "|---|---:|---:|---|---:|"]
+    for name, m in res["qat_mean"].items():
+        lines.append(f"| {name.split('/')[0]} | {spec_of(name).group_size or 'channel'} | {len(m['each'])} | "
+                     f"{', '.join(pct(x) for x in m['each'])} | **{pct(m['mean'])}** |")
+    lines += ["", "recovered vs control = (PTQ(control) - QAT) / (PTQ(control) - float(control)). The control is the same "
+              "fine-tune from the same start (same data order, steps, lr schedule and loss; distill 0.5 = half CE, half KL "
+              "to the start model) without fake quantization, so the fine-tune's own gain is not counted as QAT's. "
+              "recovered vs start = (PTQ(start) - QAT) / (PTQ(start) - float(start)) is torchao's convention and includes "
+              "that gain.", "", "## QAT training-speed cost", "",
+              f"Seconds per step with fake quantization over without, {res['cost']['chunk']}-step chunks alternated in one "
+              "process (median of rounds):", "", "| scheme | ratio per round | median |", "|---|---|---:|"]
+    for name, c in res["cost"]["schemes"].items():
+        lines.append(f"| {name} | {', '.join(f'{x:.2f}' for x in c['ratios'])} | {c['median']:.2f}x |")
+    return "\n".join(lines + [""])
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--batch", type=int, default=8)
+    d = FineTune()
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--seeds", type=int, default=2, help="data orders for the headline schemes (8da4w, int4wo g32)")
+    p.add_argument("--jobs", type=int, default=2, help="fine-tune arms run at a time (one process each)")
     p.add_argument("--base-steps", type=int, default=1200, help="pre-training steps of the tiny base (cached)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compress"))
     a = p.parse_args(argv)
@@ -170,13 +220,18 @@ def main(argv=None) -> int:
     base = str(trained_tiny(recipe))
     tok = load_tokenizer(base)
     blocks = heldout_blocks(tok, ED)
-    train = packed_blocks(tok, load_text()["train"]["text"], 128)
+    train = packed_blocks(tok, load_text()["train"]["text"], ED.seq_len)
+    ft = FineTune(steps=a.steps, lr=a.lr, batch=a.batch)
     fl, ref_top1 = measure(build_model(base, dtype=torch.float32).eval(), blocks)
     res = {"base": Path(base).name, "base_training": json.loads((Path(base) / "hfscale_training.json").read_text())["recipe"],
-           "eval_tokens": int(blocks[:, 1:].numel()), "float": fl, "lr": a.lr, "batch": a.batch}
+           "eval_tokens": int(blocks[:, 1:].numel()), "float": fl, "finetune": asdict(ft)}
     res["ptq"] = ptq_rows(base, blocks, ref_top1, tok)
-    with tempfile.TemporaryDirectory() as tmp:
-        res["qat"], res["control"] = qat_rows(base, blocks, train, a.steps, a.lr, a.batch, Path(tmp))
+    res["cost"] = {"chunk": 20, "schemes": qat_cost(base, train, ft, chunk=20)}
+    res["qat"], res["controls"] = qat_rows(base, ft, tuple(range(1, a.seeds + 1)), a.jobs)
+    res["qat_mean"] = {}
+    for name in QAT_SCHEMES:
+        each = [r["recovered_vs_control"] for r in res["qat"] if r["scheme"] == name and r["distill"] == 0]
+        res["qat_mean"][name] = {"each": each, "mean": statistics.fmean(each)}
     write_text_atomic(a.out + ".json", json.dumps(res, indent=1) + "\n")
     write_text_atomic(a.out + ".md", markdown(res))
     print(markdown(res))
