@@ -65,6 +65,19 @@ def _zero_holdings(engine, model) -> dict:
         optimizer_state_numel_by_key=per_key,
         optimizer_state_devices=sorted(devices),
     )
+    # the fp32 partition the optimizer steps on (ZeRO-1/2: single_partition_of_fp32_groups, ZeRO-3:
+    # fp32_partitioned_groups_flat) and its .grad, which DeepSpeed keeps allocated on the offload device
+    # when the optimizer is offloaded (and frees after every step otherwise): what `hfscale plan` offloads
+    flats = list(getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", None) or [])
+    grads = [t.grad for t in flats if t.grad is not None]
+    out.update(
+        fp32_master_numel_local=sum(t.numel() for t in flats),
+        fp32_master_devices=sorted({str(t.device) for t in flats}),
+        fp32_grad_numel_local=sum(g.numel() for g in grads),
+        fp32_grad_devices=sorted({str(g.device) for g in grads}),
+        offload_optimizer=bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False)),
+        offload_param=bool(getattr(opt, "offload_param", False)),
+    )
     return out
 
 

@@ -122,17 +122,28 @@ def test_shipped_config_distributes_for_real(name, tmp_path, nvme_config, model_
             assert full / 2 <= r["param_numel_local"] <= full / 2 + r["params_total"]
         else:
             assert r["param_numel_local"] == full  # stage 1/2 keep whole parameters
+        # the fp32 master partition the optimizer steps on: this rank's half (swapped out under NVMe)
+        if nvme:
+            assert r["fp32_master_numel_local"] == 0
+        else:
+            assert full / 2 <= r["fp32_master_numel_local"] <= full / 2 + 64, (r["fp32_master_numel_local"], full)
         if "offload" in name or "nvme" in name:
             assert r["base_optimizer_class"] == "DeepSpeedCPUAdam"
             assert r["optimizer_state_devices"] == ["cpu"]
+            assert r["offload_optimizer"] and r["offload_param"] == (stage == 3)
+            if "offload" in name:  # the fp32 gradient partition stays allocated on the offload device
+                assert r["fp32_grad_numel_local"] == r["fp32_master_numel_local"]
+                assert r["fp32_master_devices"] == r["fp32_grad_devices"] == ["cpu"]
         else:
             assert r["base_optimizer_class"] == "AdamW"
+            assert not r["offload_optimizer"] and not r["offload_param"]
         if name == "zero3_nvme":
             files = r["nvme_files"]
             rank = r["torch_rank"]
-            moments = {k: v for k, v in files.items() if f"/rank{rank}/exp_avg" in k}
-            assert len(moments) == 2, files  # exp_avg and exp_avg_sq swapped to this rank's NVMe dir
-            for size in moments.values():  # fp32, this rank's half
+            swapped = {k: v for k, v in files.items() if f"/rank{rank}/" in k and "gradient" not in k}
+            # exp_avg, exp_avg_sq and the fp32 master partition swapped to this rank's NVMe dir
+            assert len(swapped) == 3 and sum("exp_avg" in k for k in swapped) == 2, files
+            for size in swapped.values():  # fp32, this rank's half
                 assert 4 * full / 2 <= size <= 4 * (full / 2 + 4096), (size, full)
     if stage == 3:
         # the consolidated (16-bit gathered) state dict is the whole model, not a shard
