@@ -12,7 +12,7 @@
    "recovered" is not credit for extra training:
        recovered = (ppl PTQ(control) - ppl QAT) / (ppl PTQ(control) - ppl fp32(control)).
 
-    .venv/bin/python benchmarks/export.py [--qat-steps 150]
+    .venv/bin/python benchmarks/export.py [--qat-steps 1200]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,7 +42,11 @@ from hfscale.export.evalset import EvalSet  # noqa: E402
 from hfscale.models import build_model, load_tokenizer  # noqa: E402
 from hfscale.pretrained import TinyTraining, trained_tiny  # noqa: E402
 
+from finetune import FineTune, finetune  # noqa: E402  (benchmarks/finetune.py)
+
 ES = EvalSet(n_prompts=8, prompt_tokens=96, ppl_blocks=32, seq_len=128)  # 4,064 scored tokens
+# QAT vs PTQ: margins of a few hundredths of perplexity, so the whole validation split (26,670 tokens)
+ES_QAT = EvalSet(n_prompts=8, prompt_tokens=96, ppl_blocks=210, seq_len=128)
 LLAMA_SRC = Path(os.environ.get("LLAMA_CPP_SRC", "/tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
 
@@ -114,23 +119,13 @@ def llama_converter(model: str, work: Path) -> dict:
             "bytes": out.stat().st_size if out.exists() else None, "last_error": errs[-1][:300] if errs else None}
 
 
-def finetune(model_dir: str, steps: int, lr: float, qat: bool, out: Path) -> str:
-    """A plain loop continuing from the trained tiny model; identical batches for QAT and control."""
+def finetuned(model_dir: str, ft: FineTune, qat: bool, out: Path) -> str:
+    """The trained tiny model after benchmarks/finetune.py's fine-tune, with or without Q4_0 fake quantization."""
     tok = load_tokenizer(model_dir)
     m = build_model(model_dir, dtype=torch.float32)
     if qat:
         prepare_q4_0_qat_(m)
-    train = packed_blocks(tok, load_text()["train"]["text"], 128)
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0)
-    m.train()
-    for s in tqdm(range(steps), desc=f"{'QAT' if qat else 'control'} fine-tune"):
-        b = train[order[(torch.arange(16) + 16 * s) % len(train)]]
-        m(input_ids=b, labels=b).loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    m.eval()
+    finetune(m, packed_blocks(tok, load_text()["train"]["text"], 128), ft, desc=f"{'QAT' if qat else 'control'} fine-tune")
     if qat:
         convert_q4_0_(m)
     m.save_pretrained(out, safe_serialization=True)
@@ -138,18 +133,19 @@ def finetune(model_dir: str, steps: int, lr: float, qat: bool, out: Path) -> str
     return str(out)
 
 
-def qat_vs_ptq(model: str, work: Path, steps: int, lr: float) -> dict:
-    control = finetune(model, steps, lr, False, work / "ft-control")
-    qat = finetune(model, steps, lr, True, work / "ft-qat")
-    res = {"steps": steps, "lr": lr, "batch_tokens": 16 * 128}
+def qat_vs_ptq(model: str, work: Path, ft: FineTune) -> dict:
+    control = finetuned(model, ft, False, work / "ft-control")
+    qat = finetuned(model, ft, True, work / "ft-qat")
+    res = {"steps": ft.steps, "lr": ft.lr, "batch_tokens": ft.batch * 128, "finetune": asdict(ft)}
     for label, src in (("control", control), ("qat", qat), ("start", model)):
-        r = FORMATS["gguf"].export(src, work / f"{label}-Q4_0.gguf", "Q4_0", True, evalset=ES, progress=False)
+        r = FORMATS["gguf"].export(src, work / f"{label}-Q4_0.gguf", "Q4_0", True, evalset=ES_QAT, progress=False)
         v = r["verification"]
         res[label] = {"ppl_fp32_transformers": v["perplexity_transformers_fp32"], "ppl_q4_0_llama_cpp": v["perplexity"],
                       "top1_vs_own_fp32": v["vs_transformers"]["top1_agreement"]}
     fp, ptq, q = res["control"]["ppl_fp32_transformers"], res["control"]["ppl_q4_0_llama_cpp"], res["qat"]["ppl_q4_0_llama_cpp"]
     res["ptq_loss_ppl"] = ptq - fp
     res["recovered_pct"] = 100 * (ptq - q) / (ptq - fp) if abs(ptq - fp) > 1e-9 else None
+    res["eval_tokens"] = ES_QAT.ppl_blocks * (ES_QAT.seq_len - 1)
     res["qat_export_exact"] = res["qat"]["top1_vs_own_fp32"]  # converted weights are on the grid: llama.cpp == fp32
     return res
 
@@ -177,7 +173,8 @@ def markdown(res: dict) -> str:
         "## 8 layers x hidden 512, random init (agreement and size only)", "", table(res["larger"]), "",
         "## llama.cpp's convert_hf_to_gguf.py on the same models", "",
         "```", json.dumps(res["llama_converter"], indent=1), "```", "",
-        f"## QAT vs PTQ at Q4_0, perplexity in llama.cpp ({q['steps']} steps, lr {q['lr']})", "",
+        f"## QAT vs PTQ at Q4_0, perplexity in llama.cpp ({q['steps']} steps, batch {q['batch_tokens']:,} tokens, lr {q['lr']} "
+        f"cosine to 0; {q.get('eval_tokens', 0):,} held-out tokens)", "",
         "| model | ppl fp32 (transformers) | ppl Q4_0 (llama.cpp) |", "|---|---:|---:|",
         *[f"| {k} | {q[k]['ppl_fp32_transformers']:.3f} | {q[k]['ppl_q4_0_llama_cpp']:.3f} |" for k in ("start", "control", "qat")],
         "", f"PTQ perplexity loss (control): {q['ptq_loss_ppl']:.3f}; recovered by QAT after export: **{rec}**.", ""])
@@ -185,8 +182,8 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--qat-steps", type=int, default=150)
-    ap.add_argument("--qat-lr", type=float, default=3e-4)
+    ap.add_argument("--qat-steps", type=int, default=FineTune().steps)
+    ap.add_argument("--qat-lr", type=float, default=FineTune().lr)
     ap.add_argument("--base-steps", type=int, default=1200, help="pre-training steps of the tiny base (cached)")
     a = ap.parse_args(argv)
     model = str(trained_tiny(TinyTraining(steps=a.base_steps, warmup=40) if a.base_steps != TinyTraining().steps else TinyTraining()))
@@ -197,7 +194,7 @@ def main(argv=None) -> int:
                "base_training": json.loads((Path(model) / "hfscale_training.json").read_text())["recipe"],
                "tiny": tiny_rows(model, work), "larger": larger_rows(big, work),
                "llama_converter": {"tiny": llama_converter(model, work), "8x512": llama_converter(big, work)},
-               "qat_vs_ptq": qat_vs_ptq(model, work, a.qat_steps, a.qat_lr)}
+               "qat_vs_ptq": qat_vs_ptq(model, work, FineTune(steps=a.qat_steps, lr=a.qat_lr))}
     res["tiny_fp32_bytes"] = res["tiny"][0]["fp32_bytes"]
     out = ROOT / "benchmarks" / "results"
     write_text_atomic(out / "export.json", json.dumps(res, indent=2) + "\n")
