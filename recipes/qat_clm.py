@@ -48,12 +48,12 @@ def main(argv=None) -> int:
         if is_builtin(cfg.model):
             raise HfscaleError(f"QAT fine-tunes a trained checkpoint; {cfg.model} is a random init: pass --model "
                                "runs/tiny/model (from recipes/train_clm.py) or another trained directory")
-        model_config, plan, data, ckpts, resume = preflight(cfg, force)
+        pre = preflight(cfg, force, source=config_path)
     except HfscaleError as e:
         if rank == 0:
             print(f"qat_clm: error: {e}", file=sys.stderr)
         return 2
-    return train(cfg, force, model_config, plan, data, ckpts, resume)
+    return train(cfg, force, pre)
 
 
 def build_student(cfg, spec):
@@ -65,7 +65,7 @@ def build_student(cfg, spec):
     return add_lora_(model, cfg.lora_rank) if cfg.lora_rank else model
 
 
-def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
+def train(cfg, force, pre) -> int:
     import torch
 
     from hfscale.compress.qat import distillation_loss
@@ -77,8 +77,9 @@ def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
     from hfscale.train.state import model_fingerprint
 
     spec = QuantSpec(cfg.scheme, group_size=cfg.group_size)
+    plan, data, ckpts, resume = pre.plan, pre.data, pre.ckpts, pre.resume
     # --- launch ---
-    accelerator = start_run(cfg, force, plan, ckpts, resume, tag="qat_clm")
+    accelerator = start_run(cfg, force, pre, tag="qat_clm")
     main_rank = accelerator.is_main_process
     out = Path(cfg.output_dir)
 
@@ -106,7 +107,7 @@ def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
               f"distill {cfg.distill}")
     start = resume_from(accelerator, resume, "qat_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
-    meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(model_config), "world": plan.world,
+    meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config), "world": plan.world,
             "tokens_per_step": plan.tokens_per_step, "scheme": spec.scheme}
 
     # --- train (against the grid) ---

@@ -42,15 +42,15 @@ def main(argv=None) -> int:
         from hfscale.train.loop import preflight
 
         cfg = load_recipe(config_path, overrides)
-        model_config, plan, data, ckpts, resume = preflight(cfg, force)
+        pre = preflight(cfg, force, source=config_path)
     except HfscaleError as e:
         if rank == 0:
             print(f"train_clm: error: {e}", file=sys.stderr)
         return 2
-    return train(cfg, force, model_config, plan, data, ckpts, resume)
+    return train(cfg, force, pre)
 
 
-def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
+def train(cfg, force, pre) -> int:
     from hfscale.models import build_model, load_tokenizer
     from hfscale.scale.runtime import make_optimizer
     from hfscale.train.activation import apply_checkpointing_
@@ -58,8 +58,9 @@ def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint, save_final
 
+    plan, data, ckpts, resume = pre.plan, pre.data, pre.ckpts, pre.resume
     # --- launch: process group (gloo on CPU hosts), clean output dir, batch arithmetic ---
-    accelerator = start_run(cfg, force, plan, ckpts, resume, tag="train_clm")
+    accelerator = start_run(cfg, force, pre, tag="train_clm")
     main_rank = accelerator.is_main_process
     out = Path(cfg.output_dir)
 
@@ -77,7 +78,7 @@ def train(cfg, force, model_config, plan, data, ckpts, resume) -> int:
               f"{len(train_blocks):,} train / {len(val_blocks)} eval sequences, checkpointed layers {layers or 'none'}")
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
-    meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(model_config), "world": plan.world,
+    meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config), "world": plan.world,
             "tokens_per_step": plan.tokens_per_step}
 
     # --- train ---

@@ -333,7 +333,7 @@ def test_doctor_runs_first_and_stops_a_bad_launch(tmp_path):
     bad = tmp_path / "zero3_nogather.json"
     bad.write_text(json.dumps(cfg))
     r = run_recipe("--config", TINY_YAML, "--output-dir", tmp_path / "run", *FAST,
-                   env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": str(bad)})
+                   env={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(bad)})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "hfscale doctor" in r.stderr and "stage3_gather_16bit_weights_on_model_save" in r.stderr
     assert not (tmp_path / "run").exists()

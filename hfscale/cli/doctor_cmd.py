@@ -39,8 +39,15 @@ def run(args) -> int:
     saved = os.dup(1)
     os.dup2(2, 1)
     try:
+        import torch
+
+        from ..hosts import bf16_support
+
+        # a launch from this GPU-less host runs on its CPU: warn where that CPU emulates bf16
+        cpu_launch = not torch.cuda.is_available()
         findings = check(args.accelerate, args.deepspeed, args.args, args.model, args.num_processes, args.num_machines,
-                         args.gpus_per_machine)
+                         args.gpus_per_machine, host_bf16=bf16_support("cpu") if cpu_launch else None,
+                         cpu_launch=cpu_launch)
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)

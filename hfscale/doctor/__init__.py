@@ -22,6 +22,11 @@ def check_setup(setup: Setup) -> list[Finding]:
 
 
 def check(accelerate=None, deepspeed=None, args=None, model=None, num_processes=None, num_machines=None,
-          gpus_per_machine=None) -> list[Finding]:
-    """Read the given files (HfscaleError if one cannot be read) and return every finding."""
-    return check_setup(load_setup(accelerate, deepspeed, args, model, num_processes, num_machines, gpus_per_machine))
+          gpus_per_machine=None, labels=None, host_bf16=None, cpu_launch=False) -> list[Finding]:
+    """Read the given files (HfscaleError if one cannot be read) and return every finding.
+
+    accelerate / deepspeed / args may also be mappings already read, named in findings by `labels`
+    (e.g. the training recipe passes what its launch will really use, `labels={"args": "train.yaml"}`).
+    `host_bf16` (hfscale.hosts.Bf16Support) with `cpu_launch=True` adds the emulated-bf16 warning."""
+    return check_setup(load_setup(accelerate, deepspeed, args, model, num_processes, num_machines, gpus_per_machine,
+                                  labels, host_bf16, cpu_launch))

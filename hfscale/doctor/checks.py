@@ -142,7 +142,7 @@ def batch_arithmetic(s: Setup) -> Iterator[Finding]:
 # --- 3. precision ---------------------------------------------------------------------------------
 
 
-def _ds_precision(ds) -> str | None:
+def ds_precision(ds) -> str | None:
     bf, fp = get(ds, "bf16.enabled"), get(ds, "fp16.enabled")
     if bf is True:
         return "bf16"
@@ -162,13 +162,13 @@ def precision(s: Setup) -> Iterator[Finding]:
     if args is not None and get(args, "bf16") is True and get(args, "fp16") is True:
         yield Finding("bf16-and-fp16", "error", _args(s, "fp16"), "bf16 and fp16 are both true", "set fp16: false")
     found: list[tuple[str, str]] = []
-    if ds is not None and (p := _ds_precision(ds)):
+    if ds is not None and (p := ds_precision(ds)):
         found.append((_ds(s, "bf16.enabled"), p))
     if args is not None:
         a_bf, a_fp = get(args, "bf16"), get(args, "fp16")
         if a_bf is True or a_fp is True:
             found.append((_args(s, "bf16" if a_bf is True else "fp16"), "bf16" if a_bf is True else "fp16"))
-        elif ds is not None and (a_bf is False or a_fp is False) and _ds_precision(ds) in ("bf16", "fp16"):
+        elif ds is not None and (a_bf is False or a_fp is False) and ds_precision(ds) in ("bf16", "fp16"):
             found.append((_args(s, "bf16"), "fp32"))
     if acc is not None:
         mp = get(acc, "mixed_precision")
@@ -182,6 +182,15 @@ def precision(s: Setup) -> Iterator[Finding]:
         listed = ", ".join(f"{w}={p}" for w, p in found)
         yield Finding("precision-conflict", "error", found[1][0], f"precision disagrees: {listed} (\"BFloat16 != Half\")",
                       f"use {found[0][1]} everywhere")
+    host = s.host_bf16
+    if s.cpu_launch and host is not None and not host.native and any(p == "bf16" for _, p in found):
+        from ..hosts import EMULATED_BF16_SLOWDOWN
+
+        yield Finding("bf16-emulated-cpu", "warning", next(w for w, p in found if p == "bf16"),
+                      f"bf16 on a CPU launch, and this CPU emulates bf16 ({host.detail}): measured "
+                      f"{EMULATED_BF16_SLOWDOWN}x slower than fp32 on such a host",
+                      "train in fp32 here (bf16.enabled: false / hfscale config NAME --precision fp32); "
+                      "keep bf16 for GPUs and CPUs with AVX512-BF16 / AMX")
     model_type = getattr(s.model_config, "model_type", "") or ""
     if model_type.startswith("gemma") and any(p == "fp16" for _, p in found):
         where = next(w for w, p in found if p == "fp16")
@@ -305,7 +314,7 @@ def quantized_zero3(s: Setup) -> Iterator[Finding]:
         storage = get(a, "bnb_4bit_quant_storage")
         if storage is MISSING:
             storage = get(a, "quantization_config.bnb_4bit_quant_storage")
-        dtype = "bfloat16" if get(a, "bf16") is True or _ds_precision(s.deepspeed) == "bf16" else "float16"
+        dtype = "bfloat16" if get(a, "bf16") is True or ds_precision(s.deepspeed) == "bf16" else "float16"
         if storage not in (dtype, "bf16" if dtype == "bfloat16" else "fp16"):
             yield Finding("qlora-zero3-storage", "error", _args(s, "bnb_4bit_quant_storage"),
                           f"a 4-bit base under ZeRO-3 needs its storage dtype to equal the model dtype (got {storage if storage is not MISSING else 'unset'})",
@@ -337,7 +346,7 @@ def qat_combinations(s: Setup) -> Iterator[Finding]:
         yield Finding("qat-on-quantized-base", "error", _args(s, "qat"),
                       "QAT fake-quantizes full-precision weights; a bitsandbytes-quantized base has none to train",
                       "load the base in bf16 (drop load_in_4bit/8bit) or use QAT + LoRA on a bf16 base")
-    if get(a, "fp16") is True or _ds_precision(s.deepspeed) == "fp16":
+    if get(a, "fp16") is True or ds_precision(s.deepspeed) == "fp16":
         yield Finding("qat-fp16", "warning", _args(s, "fp16"), "QAT scales and fake-quantized activations in fp16 can overflow",
                       "use bf16 for QAT")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,10 @@ class Setup:
     num_processes: int | None = None
     num_machines: int | None = None
     gpus_per_machine: int | None = None
+    # host facts, given by the caller (the CLI / the recipe read them): bf16 support, and whether the
+    # launch runs on this host's CPU
+    host_bf16: object | None = None  # hfscale.hosts.Bf16Support
+    cpu_launch: bool = False
     notes: list = field(default_factory=list)
 
 
@@ -60,15 +65,25 @@ def _find_ds_file(ref: str, beside: Path | None) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
+def _read(source, kind: str, label: str | None) -> tuple[dict, str]:
+    """A file path, or already-read data (a mapping) named by `label` in findings."""
+    if isinstance(source, Mapping):
+        return dict(source), label or kind
+    return read_mapping(source, kind), label or str(source)
+
+
 def load_setup(accelerate=None, deepspeed=None, args=None, model=None, num_processes=None, num_machines=None,
-               gpus_per_machine=None) -> Setup:
-    s = Setup(num_processes=num_processes, num_machines=num_machines, gpus_per_machine=gpus_per_machine)
+               gpus_per_machine=None, labels: dict | None = None, host_bf16=None, cpu_launch: bool = False) -> Setup:
+    """Each of accelerate / deepspeed / args is a path or a mapping (then `labels[name]` says where it came from)."""
+    labels = labels or {}
+    s = Setup(num_processes=num_processes, num_machines=num_machines, gpus_per_machine=gpus_per_machine,
+              host_bf16=host_bf16, cpu_launch=cpu_launch)
     if accelerate:
-        s.accelerate, s.accelerate_file = read_mapping(accelerate, "accelerate config"), str(accelerate)
+        s.accelerate, s.accelerate_file = _read(accelerate, "accelerate config", labels.get("accelerate"))
     if args:
-        s.args, s.args_file = read_mapping(args, "training arguments"), str(args)
+        s.args, s.args_file = _read(args, "training arguments", labels.get("args"))
     if deepspeed:
-        s.deepspeed, s.deepspeed_file = read_mapping(deepspeed, "DeepSpeed config"), str(deepspeed)
+        s.deepspeed, s.deepspeed_file = _read(deepspeed, "DeepSpeed config", labels.get("deepspeed"))
     else:  # follow the reference in the accelerate YAML or in the arguments
         ref, beside = None, None
         if s.accelerate and isinstance(s.accelerate.get("deepspeed_config"), dict):

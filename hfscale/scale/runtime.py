@@ -13,8 +13,12 @@ def cpu_only_host() -> bool:
     return not torch.cuda.is_available()
 
 
-def make_accelerator(**kwargs):
+def make_accelerator(precision: str | None = None, **kwargs):
     """`accelerate.Accelerator(**kwargs)` that really distributes, on GPU and on CPU-only hosts.
+
+    `precision` (bf16 | fp16 | fp32, e.g. from `hfscale.hosts.resolve_precision`) replaces what the
+    launch config says: the DeepSpeed plugin's bf16/fp16 blocks (read by `deepspeed.initialize` at
+    `prepare`), or accelerate's mixed_precision for the other engines. None: the launch config decides.
 
     Measured traps on a CPU-only host under `accelerate launch` (torchrun starts N processes):
       DeepSpeed: torch.distributed has world size N but accelerate says 1 and every rank trains
@@ -48,13 +52,26 @@ def make_accelerator(**kwargs):
                 handlers.append(InitProcessGroupKwargs(backend="gloo"))
         else:
             kwargs.setdefault("cpu", True)
+    if precision is not None and not deepspeed:
+        kwargs["mixed_precision"] = {"fp32": "no"}.get(precision, precision)
     accelerator = Accelerator(kwargs_handlers=handlers, **kwargs)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if precision is not None and plugin is not None:
+        set_deepspeed_precision(plugin.deepspeed_config, precision)
     if accelerator.num_processes != launched or (launched > 1 and accelerator.distributed_type == DistributedType.NO):
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} process(es) ({accelerator.distributed_type}) but "
             f"{launched} were launched; each rank would train alone"
         )
     return accelerator
+
+
+def set_deepspeed_precision(ds_config: dict, precision: str) -> dict:
+    """Set a DeepSpeed config's bf16 / fp16 blocks to `precision` in place (both off = fp32)."""
+    for key in ("bf16", "fp16"):
+        block = ds_config.get(key)
+        ds_config[key] = {**(block if isinstance(block, dict) else {}), "enabled": precision == key}
+    return ds_config
 
 
 def make_optimizer(accelerator, model, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8):

@@ -25,6 +25,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # plain loops; DeepSpeed takes gradient_clipping from its JSON
     checkpointing: str = "off"  # off | full | every:K | auto (every ~sqrt(layers)-th layer)
+    # launch: what the DeepSpeed JSON / accelerate config says; auto: the same, but fp32 where it says
+    # bf16 on a host that emulates bf16 (hfscale.hosts); bf16 | fp16 | fp32: this, whatever the launch says
+    precision: str = "launch"
     eval_every: int = 50
     eval_blocks: int = 64  # held-out sequences per evaluation
     save_every: int = 50  # 0 = no intermediate checkpoints
@@ -56,6 +59,10 @@ class TrainConfig:
             from ..scale.spec import parse_checkpointing
 
             parse_checkpointing(self.checkpointing)
+        from ..hosts import PRECISION_CHOICES
+
+        if self.precision not in PRECISION_CHOICES:
+            raise ConfigError(f"precision {self.precision!r} not understood; use one of {', '.join(PRECISION_CHOICES)}")
 
 
 @dataclass(frozen=True)

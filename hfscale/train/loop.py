@@ -13,8 +13,8 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -26,20 +26,66 @@ def lr_at(step: int, cfg) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def preflight(cfg, force: bool):
-    """Every check that can fail on the user's input, before a process group or a model exists."""
+@dataclass(frozen=True)
+class LaunchView:
+    """What this launch will really run with, read once from the launcher's environment and files."""
+    world: int
+    deepspeed_file: str | None  # ACCELERATE_DEEPSPEED_CONFIG_FILE
+    deepspeed: dict | None  # that JSON as the user wrote it
+    precision: str  # what the launch config says: bf16 | fp16 | fp32
+    on_cpu: bool
+
+
+def read_launch(environ) -> LaunchView:
+    """The launch as accelerate will see it: the DeepSpeed JSON, else accelerate's mixed_precision."""
+    import torch
+
+    from ..doctor.checks import ds_precision
+    from ..doctor.inputs import read_mapping
+    from ..errors import HfscaleError
+
+    try:
+        world = int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise HfscaleError(f"WORLD_SIZE={environ['WORLD_SIZE']!r} is not an integer; launch with accelerate launch / torchrun") from None
+    mp = {"no": "fp32"}.get(environ.get("ACCELERATE_MIXED_PRECISION", "no"), environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    ds_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" else None
+    ds = read_mapping(ds_file, "DeepSpeed config") if ds_file else None
+    precision = (ds_precision(ds) if ds is not None else None) or mp  # "auto" in the JSON: accelerate's value
+    if precision not in ("bf16", "fp16", "fp32"):
+        precision = "fp32"
+    on_cpu = environ.get("ACCELERATE_USE_CPU", "false").lower() == "true" or not torch.cuda.is_available()
+    return LaunchView(world, ds_file, ds, precision, on_cpu)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """Everything checked before a process group or a model exists, handed to the rest of the recipe."""
+    model_config: object
+    plan: object  # batching.BatchPlan
+    data: dict
+    ckpts: object  # state.Checkpoints
+    resume: tuple | None
+    launch: LaunchView
+    precision: object  # hosts.PrecisionChoice: what runs, and the line to print if it is not the launch's
+
+
+def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
+    """Every check that can fail on the user's input, before a process group or a model exists.
+    `source`: the recipe YAML the settings came from (named in doctor's findings)."""
     from ..corpus import load_text
     from ..errors import HfscaleError
+    from ..hosts import bf16_support, resolve_precision
     from ..models import load_config
     from .batching import plan_batch
     from .state import Checkpoints, model_fingerprint
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = read_launch(os.environ)  # the recipe's edge: the launcher's environment is read here, once
     model_config = load_config(cfg.model)
     limit = getattr(getattr(model_config, "text_config", None) or model_config, "max_position_embeddings", None)
     if limit and cfg.seq_len > limit:
         raise HfscaleError(f"seq_len {cfg.seq_len} is longer than {cfg.model} supports ({limit}); use --seq-len {limit} or less")
-    plan = plan_batch(cfg.global_batch_tokens, cfg.seq_len, world, cfg.micro_batch)
+    plan = plan_batch(cfg.global_batch_tokens, cfg.seq_len, launch.world, cfg.micro_batch)
     data = load_text(cfg.data, cfg.validation)  # missing or unreadable files fail here
     ckpts = Checkpoints(cfg.output_dir, cfg.keep_last)
     resume = ckpts.resolve(cfg.resume, model_fingerprint(model_config))
@@ -47,38 +93,59 @@ def preflight(cfg, force: bool):
     if resume is None and not force and (ckpts.complete() or (out / "model").exists()):
         raise HfscaleError(f"{out} already holds a run; pass --resume latest to continue it, --force to start over, "
                            "or another --output-dir")
+    support = bf16_support("cpu" if launch.on_cpu else "cuda")
+    precision = resolve_precision(cfg.precision, launch.precision, support, what=cfg.model)
     if cfg.doctor:
-        run_doctor(cfg, plan, world)
-    return model_config, plan, data, ckpts, resume
+        run_doctor(cfg, plan, launch, precision, support, source)
+    return Preflight(model_config, plan, data, ckpts, resume, launch, precision)
 
 
-def run_doctor(cfg, plan, world: int) -> None:
-    """hfscale doctor on what this launch will use: the DeepSpeed JSON, the model and the batch shape."""
+# doctor speaks TrainingArguments; a finding about the recipe names the recipe's own setting
+RECIPE_KEYS = {"per_device_train_batch_size": "micro_batch", "gradient_accumulation_steps": "global_batch_tokens",
+               "bf16": "precision", "fp16": "precision", "gradient_checkpointing": "checkpointing"}
+
+
+def run_doctor(cfg, plan, launch: LaunchView, precision, support, source: str | None) -> None:
+    """hfscale doctor on what this launch will really do: the user's DeepSpeed JSON (with the precision
+    the recipe runs, where it overrides the JSON's), the model, and the recipe's batch shape and
+    precision, passed as data. A finding names only the user's files and the recipe's settings."""
     from ..doctor import check
     from ..errors import HfscaleError
+    from ..scale.runtime import set_deepspeed_precision
 
-    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    with tempfile.TemporaryDirectory() as tmp:
-        args_file = Path(tmp) / "recipe_args.json"
-        args_file.write_text(json.dumps({
-            "per_device_train_batch_size": plan.micro_batch,
-            "gradient_accumulation_steps": plan.accum,
-            "bf16": os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16" or bool(ds_file),
-            "gradient_checkpointing": cfg.checkpointing != "off",
-        }))
-        findings = check(deepspeed=ds_file if ds_file and Path(ds_file).is_file() else None, args=args_file,
-                         model=cfg.model, num_processes=world)
+    label = source or "recipe settings"
+    ds, ds_label = launch.deepspeed, launch.deepspeed_file
+    if ds is not None and precision.overridden:  # the engine will run the recipe's precision, not the JSON's
+        ds = set_deepspeed_precision(json.loads(json.dumps(ds)), precision.precision)
+        ds_label = f"{launch.deepspeed_file} (precision {precision.precision} by the recipe's precision: {cfg.precision})"
+    args = {
+        "per_device_train_batch_size": plan.micro_batch,
+        "gradient_accumulation_steps": plan.accum,
+        "bf16": precision.precision == "bf16",
+        "fp16": precision.precision == "fp16",
+        "gradient_checkpointing": cfg.checkpointing != "off",
+    }
+    findings = check(deepspeed=ds, args=args, model=cfg.model, num_processes=launch.world,
+                     labels={"deepspeed": ds_label, "args": label}, host_bf16=support, cpu_launch=launch.on_cpu)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         f = errors[0]
-        raise HfscaleError(f"hfscale doctor: {f.where}: {f.what}; {f.fix} (run `hfscale doctor` for all findings)")
+        where = f.where
+        if where.startswith(label + ":"):
+            key = where.split(":")[-1]
+            where = f"{label}:{RECIPE_KEYS.get(key, key)}"
+        what = f.what.replace("per_device_train_batch_size", f"{label}'s micro_batch")
+        raise HfscaleError(f"hfscale doctor: {where}: {what}; {f.fix} (run `hfscale doctor` for all findings)")
 
 
-def start_run(cfg, force: bool, plan, ckpts, resume, tag: str):
-    """Accelerator (right on CPU hosts too), a clean OUTPUT_DIR on the main rank, the batch arithmetic printed."""
+def start_run(cfg, force: bool, pre: Preflight, tag: str):
+    """Accelerator (right on CPU hosts too) in the precision chosen, a clean OUTPUT_DIR on the main rank,
+    the batch arithmetic and (if it differs from the launch config) the precision said in one line."""
     from ..scale.runtime import make_accelerator
 
-    accelerator = make_accelerator(gradient_accumulation_steps=plan.accum)
+    plan, ckpts, resume, choice = pre.plan, pre.ckpts, pre.resume, pre.precision
+    accelerator = make_accelerator(precision=choice.precision if choice.overridden else None,
+                                   gradient_accumulation_steps=plan.accum)
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:
         if force and resume is None:
@@ -87,7 +154,10 @@ def start_run(cfg, force: bool, plan, ckpts, resume, tag: str):
         gone = ckpts.clean_partial()
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.json").write_text(json.dumps({k: v for k, v in vars(cfg).items() if k != "extra"}, indent=1))
-        print(f"[{tag}] {accelerator.distributed_type} world {accelerator.num_processes}: {plan.arithmetic()}")
+        print(f"[{tag}] {accelerator.distributed_type} world {accelerator.num_processes}: {plan.arithmetic()}, "
+              f"{choice.precision}")
+        if choice.note:
+            print(f"[{tag}] {choice.note}")
         for g in gone:
             print(f"[{tag}] removed the interrupted save {g.name}")
     accelerator.wait_for_everyone()
