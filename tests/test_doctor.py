@@ -94,6 +94,8 @@ CASES = [
     ("launch-shape", Setup(accelerate={**ACC3, "num_machines": 2, "num_processes": 4}),
      Setup(accelerate={**ACC3, "num_machines": 2, "num_processes": 4, "main_process_ip": "10.0.0.1"})),
     ("launch-shape", Setup(accelerate={**ACC3, "machine_rank": 1}), Setup(accelerate={**ACC3, "machine_rank": 0})),
+    ("non-finite-number", Setup(deepspeed=ds(gradient_clipping=float("nan"))), Setup(deepspeed=ds(gradient_clipping=1.0))),
+    ("non-finite-number", Setup(args={"learning_rate": float("inf")}), Setup(args={"learning_rate": 3.0e-4})),
 ]
 
 
@@ -215,3 +217,76 @@ def test_fuzzed_file_bytes_give_findings_or_exit_2(text, tmp_path_factory):
         check(deepspeed=p)
     except HfscaleError as e:
         assert "\n" not in str(e)
+
+
+# --- bounded output and time; what is not a config -------------------------------------------------
+
+
+def _one_line_exit(r, code):
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip() and not ln.startswith(NOISE)]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+# third-party import noise on stderr (torchao's optional CUDA kernels, torch's pytree deprecation)
+NOISE = ("Failed to load", "W1", "W0", "[20")
+
+
+def _huge_args_yaml(path, n_keys):
+    """A mapping with n_keys unknown keys holding quoted numbers (2 findings each) and a long list."""
+    lines = ["per_device_train_batch_size: 2"] + [f"learning_rat_{i:06d}: '8'" for i in range(n_keys)]
+    lines += ["report_to:"] + [f"  - r{i}" for i in range(n_keys)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_findings_are_capped_with_a_count_of_the_rest(tmp_path, cli):
+    # measured with the same generator at 5 MB (142,000 keys + a 142,000-item list): 46.3 s and
+    # 284,007 lines of output before the cap; 7-10 s (mostly imports) and 54 lines after
+    f = tmp_path / "huge.yaml"
+    _huge_args_yaml(f, 3000)
+    r = cli("doctor", "--args", f)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = r.stdout.strip().splitlines()
+    rows = [ln for ln in lines if ln.startswith("error ")]
+    assert len(rows) == 50
+    assert "… and 5950 more findings (--max-findings 0 lists all)" in lines
+    assert lines[-1] == "6000 error(s), 0 warning(s)"
+    # the shown unknown keys still carry their spelling suggestion
+    assert "did you mean 'learning_rate'?" in r.stdout
+    r = cli("doctor", "--args", f, "--json", "--max-findings", "5")
+    assert r.returncode == 1
+    assert len(json.loads(r.stdout)) == 5
+    assert _one_line_exit(r, 1) == "… and 5995 more findings (--max-findings 0 lists all)"
+
+
+def test_spelling_suggestions_are_bounded_per_mapping():
+    from hfscale.doctor.checks import SUGGEST_LIMIT
+
+    args = {f"learning_rat{i:04d}": 1 for i in range(SUGGEST_LIMIT + 20)}
+    fixes = [f.fix for f in check_setup(Setup(args=args)) if f.code == "unknown-key"]
+    assert len(fixes) == SUGGEST_LIMIT + 20  # every unknown key is still reported
+    assert fixes[:SUGGEST_LIMIT] == ["did you mean 'learning_rate'?"] * SUGGEST_LIMIT
+    assert all("no spelling suggestions past" in f for f in fixes[SUGGEST_LIMIT:])
+
+
+@pytest.mark.parametrize("text, why", [("", "is empty"), ("# nothing but a comment\n", "is empty"),
+                                       ("- 1\n- 2\n", "must hold a mapping"), ("3\n", "must hold a mapping")])
+def test_a_yaml_without_a_mapping_is_not_a_config(text, why, tmp_path, cli):
+    f = tmp_path / "acc.yaml"
+    f.write_text(text)
+    line = _one_line_exit(cli("doctor", "--accelerate", f), 2)
+    assert why in line and str(f) in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acc.yaml"]
+
+
+def test_nan_and_infinity_in_a_json_are_errors(tmp_path, cli):
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({**DS3, "gradient_clipping": float("nan"),
+                             "zero_optimization": {**DS3["zero_optimization"], "reduce_bucket_size": float("inf")}}))
+    assert "NaN" in f.read_text() and "Infinity" in f.read_text()  # what json.dumps writes, and DeepSpeed reads
+    r = cli("doctor", "--deepspeed", f, "--json")
+    assert r.returncode == 1
+    found = {x["where"] for x in json.loads(r.stdout) if x["code"] == "non-finite-number"}
+    assert found == {f"{f}:gradient_clipping", f"{f}:zero_optimization.reduce_bucket_size"}

@@ -21,14 +21,19 @@ def add_parser(sub):
     p.add_argument("--num-processes", type=int)
     p.add_argument("--num-machines", type=int)
     p.add_argument("--gpus-per-machine", type=int)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the findings as a JSON list")
+    p.add_argument("--max-findings", type=int, default=50,
+                   help="list at most this many findings, then count the rest (0: all; default: %(default)s)")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     from ..doctor import check, render_table
+    from ..doctor.findings import more_line
     from ..errors import HfscaleError
 
+    if args.max_findings < 0:
+        raise HfscaleError(f"--max-findings must be 0 (all) or more (got {args.max_findings})")
     if not any((args.accelerate, args.deepspeed, args.args, args.model)):
         raise HfscaleError("give at least one of --accelerate, --deepspeed, --args, --model")
     # libraries imported by the checks (DeepSpeed) log to stdout; keep stdout for the report alone
@@ -52,8 +57,11 @@ def run(args) -> int:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
-    if args.json:
-        print(json.dumps([f.to_dict() for f in findings], indent=1))
+    limit = args.max_findings or None
+    if args.json:  # stdout stays one JSON list; the count of the rest goes to stderr
+        print(json.dumps([f.to_dict() for f in findings[:limit]], indent=1))
+        if limit is not None and len(findings) > limit:
+            print(more_line(len(findings) - limit), file=sys.stderr)
     else:
-        print(render_table(findings))
+        print(render_table(findings, limit))
     return 1 if any(f.severity == "error" for f in findings) else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from typing import Callable, Iterable, Iterator
@@ -99,6 +100,19 @@ def string_numbers(s: Setup) -> Iterator[Finding]:
             elif t.lower() in ("true", "false"):
                 yield Finding("string-bool", "error", f"{label}:{key}", f"value is the string {v!r}, not a boolean",
                               f"set {key}: {t.lower()} (no quotes)")
+
+
+@check
+def non_finite_numbers(s: Setup) -> Iterator[Finding]:
+    """NaN / Infinity: Python's json (DeepSpeed's reader) accepts them, JSON does not, and a NaN clipping
+    norm or learning rate silently turns every update into NaN."""
+    for label, data in ((s.deepspeed_file, s.deepspeed), (s.accelerate_file, s.accelerate), (s.args_file, s.args)):
+        if not isinstance(data, dict):
+            continue
+        for key, v in _walk(data):
+            if isinstance(v, float) and not math.isfinite(v):
+                yield Finding("non-finite-number", "error", f"{label}:{key}", f"value is {v} (not a finite number; "
+                              "not valid JSON either)", f"set {key} to a finite number")
 
 
 # --- 2. batch arithmetic --------------------------------------------------------------------------
@@ -375,12 +389,23 @@ RECIPE_KEYS = {"model", "model_name_or_path", "data", "dataset", "validation", "
                "checkpointing", "resume", "keep_last", "eval_every", "save_every"}
 
 
+# spelling suggestions cost ~0.3 ms per key (difflib against every known key): given for this many
+# unknown keys of a mapping, in key order (the order doctor lists them in), so a huge file stays linear
+# and fast; `hfscale doctor` shows 50 findings by default
+SUGGEST_LIMIT = 100
+
+
 def _unknown(keys, known, where_fn, label) -> Iterator[Finding]:
-    for k in keys:
-        if k not in known:
-            close = difflib.get_close_matches(str(k), sorted(known), n=1, cutoff=0.75)
-            fix = f"did you mean {close[0]!r}?" if close else f"remove it ({label} does not read it)"
-            yield Finding("unknown-key", "error", where_fn(k), f"unknown key {k!r}", fix)
+    candidates = sorted(known)
+    for i, k in enumerate(sorted((k for k in keys if k not in known), key=str)):
+        close = difflib.get_close_matches(str(k), candidates, n=1, cutoff=0.75) if i < SUGGEST_LIMIT else []
+        if close:
+            fix = f"did you mean {close[0]!r}?"
+        elif i < SUGGEST_LIMIT:
+            fix = f"remove it ({label} does not read it)"
+        else:
+            fix = f"remove it ({label} does not read it; no spelling suggestions past {SUGGEST_LIMIT} unknown keys)"
+        yield Finding("unknown-key", "error", where_fn(k), f"unknown key {k!r}", fix)
 
 
 def _zero_known() -> set[str]:
