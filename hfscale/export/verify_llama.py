@@ -12,11 +12,33 @@ from . import evalset as E
 
 
 @contextmanager
+def _plain_cpu_buffers():
+    """llama.cpp's `--no-repack` (model param use_extra_bufts=False), which llama-cpp-python 0.3.36 does
+    not expose: no repacked AMX / AVX2 weight buffers. Measured on a Xeon with AMX (KVM guest): the AMX
+    buffer of a Q4_0 / Q8_0 model segfaults in llama_decode; with plain CPU buffers it runs, F16 too."""
+    import llama_cpp.llama_cpp as capi
+
+    default = capi.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    capi.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        capi.llama_model_default_params = default
+
+
+@contextmanager
 def open_llama(path: Path, n_ctx: int):
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, verbose=False,
-                          n_threads=2, seed=0)
+    with _plain_cpu_buffers():
+        llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, verbose=False,
+                              n_threads=2, seed=0)
     try:
         yield llm
     finally:
