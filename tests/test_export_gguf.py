@@ -33,7 +33,8 @@ def test_registry_contract():
 
 def test_f16_matches_transformers_in_llama_cpp(exports):
     v = exports["F16"]["verification"]
-    assert v["tokenizer"] == {"texts": 4, "identical": 4}
+    # 4 held-out prompts, 4 texts with one added token each (<pad> <eos> <bos> <unk>), all of them in a row
+    assert v["tokenizer"] == {"texts": 9, "identical": 9}
     assert v["vs_transformers"]["top1_agreement"] == 1.0
     assert v["vs_transformers"]["max_abs_dlogit"] < 0.02  # measured 0.003: fp16 weights only
     assert v["vs_transformers"]["positions"] == 4 * 96
@@ -93,3 +94,73 @@ def test_refusals_write_nothing(trained, tmp_path):
         FORMATS["gguf"].export(trained, out, "Q4_0", False)
     assert out.read_text() == "keep"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# --- added tokens that are not special (Gemma's chat markers in many checkpoints) ------------------
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """`hfscale tiny --out DIR`, its tokenizer given <start_of_turn>/<end_of_turn> as user-defined
+    (non-special) added tokens and a Gemma-style chat template, the embedding resized to match."""
+    from conftest import run_cli
+    from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer
+
+    d = tmp_path_factory.mktemp("chat") / "tiny_chat"
+    assert run_cli("tiny", "--out", d).returncode == 0
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<start_of_turn>", "<end_of_turn>")])
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d)
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.save_pretrained(d)
+    return d
+
+
+def test_user_defined_tokens_and_chat_text_tokenize_as_in_transformers(chat_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from hfscale.export.evalset import CHAT
+    from hfscale.export.verify_llama import open_llama
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    assert {t.content: t.special for i, t in tok.added_tokens_decoder.items() if i >= 4096} == {
+        "<start_of_turn>": False, "<end_of_turn>": False}
+    out = tmp_path / "chat.gguf"
+    rec = FORMATS["gguf"].export(str(chat_model), out, "F16", False, evalset=ES, progress=False)
+    # 4 prompts + 6 texts with one added token each + all in a row + the chat template applied
+    assert rec["verification"]["tokenizer"] == {"texts": 12, "identical": 12}
+    T = gguf.TokenType
+    types = gguf.GGUFReader(out).fields["tokenizer.ggml.token_type"]
+    types = [int(types.parts[i][0]) for i in types.data]
+    assert [types[i] for i in (0, 1, 2, 4096, 4097)] == [T.CONTROL, T.CONTROL, T.CONTROL, T.USER_DEFINED, T.USER_DEFINED]
+    chat = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    want = tok(chat, add_special_tokens=False).input_ids
+    assert want.count(4096) == 4 and want.count(4097) == 3  # the markers are single tokens in transformers
+    with open_llama(out, n_ctx=256) as llm:
+        assert llm.tokenize(chat.encode(), add_bos=False, special=True) == want
+
+
+def test_the_tokenizer_check_catches_markers_written_as_normal(chat_model, tmp_path, monkeypatch):
+    """What the export wrote before: only special added tokens known, the rest NORMAL. llama.cpp then
+    splits <start_of_turn> into pieces (measured: 13 of 16 texts alike; all 3 others hold it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfscale.export import evalset as E
+    from hfscale.export import gguf as G
+    from hfscale.export.verify_llama import check_tokenizer, open_llama
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    model = AutoModelForCausalLM.from_pretrained(chat_model).float().eval()
+    real = G.added_tokens
+    monkeypatch.setattr(G, "added_tokens", lambda t: {k: v for k, v in real(t).items() if v})
+    out = tmp_path / "normal.gguf"
+    G.write_gguf(model, tok, out, G.GGUFOptions("F16"), progress=False)
+    with open_llama(out, n_ctx=256) as llm:
+        r = check_tokenizer(llm, tok, E.tokenizer_texts(tok, ES))
+    assert r["identical"] < r["texts"] == 12
+    assert all("<start_of_turn>" in t for t in r["differing_texts"])

@@ -29,6 +29,25 @@ def prompt_texts(es: EvalSet) -> list[str]:
     return [t for t in val if len(t) > 200][: es.n_prompts]
 
 
+# a small conversation for the tokenizer's chat template (when it has one)
+CHAT = [{"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris. It has been the capital since 987."},
+        {"role": "user", "content": "And of Italy?"}]
+
+
+def tokenizer_texts(tokenizer, es: EvalSet) -> list[str]:
+    """What a runtime's tokenizer must split exactly as `tokenizer` does: the held-out prompts, one
+    text per added token (special or not) inside prose, all of them in a row, and the chat template
+    applied to CHAT if the tokenizer has a template."""
+    added = sorted(t.content for t in tokenizer.added_tokens_decoder.values())
+    texts = prompt_texts(es) + [f"Before {a}after, and{a} again: {a}\n" for a in added]
+    if added:
+        texts.append("".join(added) + " " + " ".join(added))
+    if getattr(tokenizer, "chat_template", None):
+        texts.append(tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True))
+    return texts
+
+
 def prompt_ids(tokenizer, es: EvalSet) -> list[list[int]]:
     """bos + the first tokens of each held-out document (the tokenizer's own special tokens)."""
     return [tokenizer(t).input_ids[: es.prompt_tokens] for t in prompt_texts(es)]

@@ -5,8 +5,11 @@ Common to both architectures:
   token embedding's type is also the output projection's type (hence its own option).
 - tokenizer: ours is a BPE over "▁"-escaped text with byte fallback (SentencePiece-style, not
   GPT-2 byte-level), so it is stored as llama.cpp's "llama" (SPM) model: merged tokens get score
-  -rank of the merge that creates them, bytes are BYTE tokens, specials CONTROL, no space prefix.
-  `verify_llama.check_tokenizer` proves the two tokenizers agree on the texts used.
+  -rank of the merge that creates them, bytes are BYTE tokens, no space prefix. Added tokens keep
+  how the tokenizer matches them: special ones are CONTROL (matched whole when llama.cpp parses
+  specials), the others USER_DEFINED (always matched whole, like transformers does; as NORMAL,
+  llama.cpp splits `<start_of_turn>` into pieces). `verify_llama.check_tokenizer` proves the two
+  tokenizers agree on held-out text, text with every added token, and chat-template text.
 - 1-D tensors (norms, scalars, rope factors) are F32; they are tiny and llama.cpp wants F32.
 
 Gemma 3 — what llama.cpp's gemma3 loader reads (src/models/gemma3.cpp in the vendored llama.cpp):
@@ -340,8 +343,20 @@ def _gguf_name(names, hf_name: str) -> str:
     return gname if gname.endswith((".weight", ".bias")) else gname + ".weight"
 
 
-def _vocab(tokenizer_json: dict):
-    """tokens, scores, types for llama.cpp's SPM tokenizer from a byte-fallback BPE."""
+def added_tokens(tokenizer) -> dict[str, bool]:
+    """content -> special, for every token the tokenizer adds on top of its model's vocabulary.
+
+    Read from the tokenizer object (transformers 5.24 no longer writes `added_tokens_decoder` to
+    tokenizer_config.json), then from its tokenizer.json `added_tokens` for anything not listed there."""
+    found = {t.content: bool(t.special) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    for t in json.loads(tokenizer.backend_tokenizer.to_str()).get("added_tokens", []):
+        found.setdefault(t["content"], bool(t.get("special")))
+    return found
+
+
+def _vocab(tokenizer_json: dict, added: dict[str, bool], n_vocab: int):
+    """tokens, scores, types for llama.cpp's SPM tokenizer from a byte-fallback BPE; `added`: see added_tokens.
+    The list has one entry per embedding row (`n_vocab`; llama.cpp requires it): unused ids are [PADi]."""
     import gguf
 
     model = tokenizer_json["model"]
@@ -351,14 +366,16 @@ def _vocab(tokenizer_json: dict):
     for t in tokenizer_json.get("added_tokens", []):
         vocab.setdefault(t["content"], t["id"])
     n = max(vocab.values()) + 1
-    tokens = [f"[PAD{i}]" for i in range(n)]
+    if n > n_vocab:
+        raise HfscaleError(f"the tokenizer has ids up to {n - 1} but the model's embedding has {n_vocab} rows; "
+                           "resize it (model.resize_token_embeddings(len(tokenizer))) and save the model again")
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
     for s, i in vocab.items():
         tokens[i] = s
     rank = {}
     for r, m in enumerate(model["merges"]):
         a, b = m if isinstance(m, list) else m.split(" ", 1)
         rank.setdefault(a + b, r)
-    specials = {t["content"] for t in tokenizer_json.get("added_tokens", []) if t.get("special")}
     unk = model.get("unk_token")
     scores, types = [], []
     for s in tokens:
@@ -366,8 +383,8 @@ def _vocab(tokenizer_json: dict):
         scores.append(-float(rank[s]) if s in rank else 0.0)
         if s == unk:
             types.append(gguf.TokenType.UNKNOWN)
-        elif s in specials:
-            types.append(gguf.TokenType.CONTROL)
+        elif s in added:
+            types.append(gguf.TokenType.CONTROL if added[s] else gguf.TokenType.USER_DEFINED)
         elif len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
             types.append(gguf.TokenType.BYTE)
         else:
@@ -375,8 +392,8 @@ def _vocab(tokenizer_json: dict):
     return tokens, scores, types
 
 
-def _add_tokenizer(w, tokenizer) -> None:
-    tokens, scores, types = _vocab(json.loads(tokenizer.backend_tokenizer.to_str()))
+def _add_tokenizer(w, tokenizer, n_vocab: int) -> None:
+    tokens, scores, types = _vocab(json.loads(tokenizer.backend_tokenizer.to_str()), added_tokens(tokenizer), n_vocab)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -429,7 +446,7 @@ def write_gguf(model, tokenizer, out: Path, opts: GGUFOptions, name: str = "", p
                                             "Q4_0": "MOSTLY_Q4_0"}[opts.qtype]])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         arch.hparams(w, cfg)
-        _add_tokenizer(w, tokenizer)
+        _add_tokenizer(w, tokenizer, cfg.vocab_size)
 
         counts: dict[str, int] = {}
         for gname, arr in _tensors(model, arch):

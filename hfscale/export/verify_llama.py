@@ -54,10 +54,20 @@ def llama_logits(llm, ids):
 
 
 def check_tokenizer(llm, tokenizer, texts) -> dict:
-    """Fraction of texts llama.cpp tokenizes exactly as transformers does (bos included)."""
-    same = [llm.tokenize(t.encode("utf-8"), add_bos=True, special=False) == tokenizer(t).input_ids
-            for t in texts]
-    return {"texts": len(same), "identical": sum(same)}
+    """How many texts llama.cpp tokenizes exactly as transformers does, and the first few that differ.
+
+    Both add bos, except to a text that already starts with it (chat-template text does). special=True:
+    llama.cpp then matches special tokens in the text, as transformers always does."""
+    bos = tokenizer.bos_token
+    differ = []
+    for t in texts:
+        add = not (bos and t.startswith(bos))
+        if llm.tokenize(t.encode("utf-8"), add_bos=add, special=True) != tokenizer(t, add_special_tokens=add).input_ids:
+            differ.append(t)
+    out = {"texts": len(texts), "identical": len(texts) - len(differ)}
+    if differ:
+        out["differing_texts"] = [t[:120] for t in differ[:3]]
+    return out
 
 
 def verify_gguf(path: Path, model, tokenizer, es: E.EvalSet = E.EvalSet(), progress: bool = True) -> dict:
@@ -67,7 +77,7 @@ def verify_gguf(path: Path, model, tokenizer, es: E.EvalSet = E.EvalSet(), progr
     blocks = E.ppl_blocks(tokenizer, es)
     out: dict = {"runtime": "llama.cpp (llama-cpp-python)"}
     with open_llama(path, n_ctx=max(es.seq_len, es.prompt_tokens)) as llm:
-        out["tokenizer"] = check_tokenizer(llm, tokenizer, E.prompt_texts(es))
+        out["tokenizer"] = check_tokenizer(llm, tokenizer, E.tokenizer_texts(tokenizer, es))
         rows = [E.compare(E.eager_logits(model, p), llama_logits(llm, p))
                 for p in tqdm(prompts, desc="llama.cpp logits", disable=not progress)]
         out["vs_transformers"] = E.merge(rows)
