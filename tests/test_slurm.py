@@ -25,7 +25,7 @@ def test_expand_hostlist(spec, hosts):
     assert expand_hostlist(spec) == hosts
 
 
-@pytest.mark.parametrize("spec", ["gpu[3-1]", "gpu[a-b]", ""])
+@pytest.mark.parametrize("spec", ["gpu[3-1]", "gpu[a-b]", "", "gpu[01-", "gpu01-]", "gpu[1-2][3-4]"])
 def test_bad_hostlists(spec):
     with pytest.raises(HfscaleError):
         expand_hostlist(spec)
@@ -76,3 +76,50 @@ def test_two_nodes_through_the_slurm_path_on_one_host(tmp_path):
         assert r["torch_world_size"] == r["accelerate_num_processes"] == r["deepspeed_world_size"] == 2
         assert r["zero_stage"] == 3 and r["params_partitioned_evenly"] == r["params_total"]
     assert not set(reports[0]["sample_indices"]) & set(reports[1]["sample_indices"])
+
+
+# --- the environment is read when `hfscale slurm` runs, never when parsers are built ----------------
+
+MALFORMED = {"SLURM_NNODES": "abc", "SLURM_JOB_NODELIST": "gpu[01-", "SLURM_NODEID": "x", "SLURM_GPUS_ON_NODE": "abc"}
+
+
+def _run(env: dict, *args, cwd=None):
+    exe = str(Path(sys.executable).parent / "hfscale")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return subprocess.run([exe, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**base, "HF_HUB_OFFLINE": "1", **env})
+
+
+def _one_line(r, code=2):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["slurm", "--help"], ["config", "zero2", "--print"]])
+def test_malformed_slurm_variables_do_not_break_other_commands(args, tmp_path):
+    r = _run(MALFORMED, *args, cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("env, flags, needle", [
+    ({"SLURM_JOB_NODELIST": "gpu[01-"}, ["--gpus-per-node", "2", "--dry-run"], "SLURM_JOB_NODELIST"),
+    ({"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_GPUS_ON_NODE": "abc"}, ["--dry-run"], "SLURM_GPUS_ON_NODE='abc'"),
+    ({"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": "abc"}, ["--gpus-per-node", "2", "--dry-run"], "SLURM_NNODES='abc'"),
+    ({"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": "3"}, ["--gpus-per-node", "2", "--dry-run"], "SLURM_NNODES=3"),
+    ({"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NODEID": "x"}, ["--gpus-per-node", "2"], "SLURM_NODEID='x'"),
+])
+def test_a_malformed_slurm_variable_is_one_line_naming_it(env, flags, needle, tmp_path):
+    line = _one_line(_run(env, "slurm", "--config", "c.yaml", *flags, "--", "train.py", cwd=tmp_path))
+    assert needle in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_flags_win_over_malformed_slurm_variables(tmp_path):
+    r = _run(MALFORMED, "slurm", "--config", "c.yaml", "--nodelist", "gpu[01-02]", "--gpus-per-node", "4",
+             "--dry-run", "--", "train.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 2 and "--num_processes 8" in r.stdout
