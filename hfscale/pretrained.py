@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,18 +41,11 @@ def trained_tiny(recipe: TinyTraining = TinyTraining(), cache: str | os.PathLike
     out = root / f"tiny-gemma3-trained-{recipe.key()}"
     if (out / "hfscale_training.json").is_file():
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
-    try:
+    from .atomic import staged
+
+    with staged(out, directory=True) as tmp:  # appears whole or not at all (a concurrent builder's equal copy may be replaced)
         info = _train(recipe, tmp, progress)
         (tmp / "hfscale_training.json").write_text(json.dumps(info, indent=2) + "\n")
-        try:
-            tmp.rename(out)  # appears whole or not at all; a concurrent builder may have won
-        except OSError:
-            if not (out / "hfscale_training.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hfscale.atomic import STAGE_PREFIX
 from hfscale.errors import ConfigError
 from hfscale.train.activation import checkpointed_layers, resolve
 from hfscale.train.batching import plan_batch, rank_indices
@@ -286,7 +287,7 @@ def test_resume_after_kill_9_of_one_rank(tmp_path, uninterrupted):
                      env={"HFSCALE_FAULT": "kill@step:5:1"}, check=False)  # SIGKILL rank 1 after step 5
     assert rc != 0
     assert max(read_records(out / "metrics.jsonl")) in (5, 6)  # rank 0 may log one more step before it notices
-    assert [p.name for p in sorted((out / "checkpoints").iterdir()) if not p.name.endswith(".partial")] == \
+    assert [p.name for p in sorted((out / "checkpoints").iterdir()) if not p.name.startswith(STAGE_PREFIX)] == \
         ["step_00000002", "step_00000004"]
     _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest")
     assert "resumed from" in log and "at step 4" in log
@@ -300,10 +301,11 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
                    env={"HFSCALE_FAULT": "kill@save:6:1"}, check=False)  # rank 1 dies after writing its shard
     assert rc != 0
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert names == ["step_00000002", "step_00000004", "step_00000006.partial"]
+    assert names[1:] == ["step_00000002", "step_00000004"]  # and the interrupted save, under a stage name:
+    assert names[0].startswith(STAGE_PREFIX) and names[0].endswith(".step_00000006")
     assert json.loads((out / "checkpoints" / "step_00000004" / "hfscale_state.json").read_text())["step"] == 4
     _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest")
-    assert "removed the interrupted save step_00000006.partial" in log and "at step 4" in log
+    assert f"removed the interrupted save {names[0]}" in log and "at step 4" in log
     assert_same_trajectory(read_records(out / "metrics.jsonl"), uninterrupted)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
 

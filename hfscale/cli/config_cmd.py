@@ -48,8 +48,8 @@ def add_parser(sub):
     p.add_argument("--main-process-ip")
     p.add_argument("--main-process-port", type=int)
     p.add_argument("--rdzv-backend", choices=RDZV_BACKENDS)
-    p.add_argument("--out-accelerate", default="accelerate_configs", help="directory for the YAML (default: %(default)s)")
-    p.add_argument("--out-deepspeed", default="ds_configs", help="directory for the JSON (default: %(default)s)")
+    p.add_argument("--out-accelerate", default="accelerate_configs", help="directory for the YAML, created if missing (default: %(default)s)")
+    p.add_argument("--out-deepspeed", default="ds_configs", help="directory for the JSON, created if missing (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite existing files")
     p.add_argument("--print", action="store_true", help="print the files instead of writing them")
     p.set_defaults(run=run)
@@ -71,6 +71,14 @@ def spec_from_args(args) -> ScaleSpec:
     zero = {f: getattr(args, a) for a, f in ZERO_FLAGS.items() if getattr(args, a) is not None}
     launch = {a: getattr(args, a) for a in LAUNCH_FLAGS if getattr(args, a) is not None}
     top = {f: getattr(args, a) for a, f in TOP_FLAGS.items() if getattr(args, a) is not None}
+    engine = args.engine or base.engine
+    if args.zero is not None and engine != "deepspeed":
+        raise ConfigError(f"--zero {args.zero} is a DeepSpeed ZeRO stage but the engine is {engine}; "
+                          "drop --zero or use --engine deepspeed")
+    if args.engine and args.engine != "deepspeed" and base.engine == "deepspeed" and (args.preset or args.spec):
+        src = f"preset {args.preset}" if args.preset else f"--spec {args.spec}"
+        raise ConfigError(f"{src} is a DeepSpeed ZeRO-{base.zero.stage} config and --engine {args.engine} would drop "
+                          f"its ZeRO settings; start from `hfscale config {args.engine}` instead")
     if args.num_machines is not None and args.num_machines == 1 and "main_process_ip" not in launch:
         launch["main_process_ip"] = None
     # dataclasses.replace re-runs __post_init__, so every combination is validated
@@ -96,7 +104,8 @@ def run(args) -> int:
                 print(f"--- {path}\n{text}")
         return 0
     # shipped presets name example paths (e.g. /local_nvme) that need not exist on this host
-    written = write_config_sets(specs, args.out_accelerate, args.out_deepspeed, force=args.force, check_paths=not args.all)
+    written = write_config_sets(specs, args.out_accelerate, args.out_deepspeed, force=args.force, check_paths=not args.all,
+                                inputs={args.spec: "--spec"})
     for path in written:
         print(f"wrote {path}")
     return 0

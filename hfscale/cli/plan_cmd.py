@@ -41,9 +41,10 @@ def add_parser(sub):
     p.add_argument("--cpu-mem", default="512GB")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: micro x seq x dp)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", help="write stacked memory bars per strategy to this PNG")
-    p.add_argument("--write", help="write accelerate YAML, DeepSpeed JSON and training arguments for the pick here")
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--plot", help="write stacked memory bars per strategy to this PNG (missing parent directories are created)")
+    p.add_argument("--write", help="write accelerate YAML, DeepSpeed JSON and training arguments for the pick into this "
+                   "directory (created if missing)")
+    p.add_argument("--force", action="store_true", help="overwrite existing --plot / --write outputs")
     p.set_defaults(run=run)
 
 
@@ -61,18 +62,17 @@ def run(args) -> int:
     from ..plan.memory import Strategy, predict
     from ..plan.planner import Hardware, candidates, parse_size, pick, shortfall
 
-    d = dims_from_config(load_config(args.model))
     hw = None
     if args.gpus_per_node is not None:
         hw = Hardware(args.gpus_per_node, args.nodes, parse_size(args.gpu_mem), parse_size(args.cpu_mem))
+    if (args.write or args.plot) and hw is None:
+        raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
+    check_writable({args.write: "--write", args.plot: "--plot"}, args.force, inputs={args.model: "--model"})
+    d = dims_from_config(load_config(args.model))
     dp = args.dp or (hw.world if hw else 1)
     s = Strategy(zero=args.zero, dp=dp, precision=args.precision, optimizer=args.optimizer, offload=args.offload,
                  checkpointing=args.checkpointing, micro_batch=args.micro_batch, seq_len=args.seq_len,
                  attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits)
-    if (args.write or args.plot) and hw is None:
-        raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
-    outputs = [p for p in (args.write, args.plot) if p]
-    check_writable(outputs, args.force)
     out = {"model": args.model, "params": d.params, "strategy": s.label, "prediction": predict(d, s)}
     if args.inference:
         from ..plan.memory import inference_bytes

@@ -21,7 +21,8 @@ def add_parser(sub):
     p.add_argument("--model", default="tiny-gemma3")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--reference", action="store_true", help="also run 1 process and compare losses")
-    p.add_argument("--out", default="proof_out", help="directory for rank reports and logs (default: %(default)s)")
+    p.add_argument("--out", default="proof_out", help="directory for rank reports and logs, created if missing; "
+                   "its ranks/ and reference/ are replaced (default: %(default)s)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
 
@@ -29,6 +30,7 @@ def add_parser(sub):
 def run(args) -> int:
     from pathlib import Path
 
+    from ..atomic import check_overlap, check_parents
     from ..errors import HfscaleError
     from ..proof import launch, print_table, summarize
 
@@ -38,6 +40,9 @@ def run(args) -> int:
         raise HfscaleError("--num-processes must be a positive multiple of --num-machines")
     extra = ["--model", args.model, "--steps", str(args.steps)]
     out = Path(args.out)
+    written = {out / "ranks": "--out", out / "reference": "--out"}  # what a proof replaces under --out
+    check_overlap(written, inputs={args.config: "--config", args.model: "--model"})
+    check_parents(written)
     reports = launch(args.config, out / "ranks", args.num_processes, extra, num_machines=args.num_machines)
     ref = launch(args.config, out / "reference", 1, extra) if args.reference else None
     row = summarize(Path(args.config).stem, reports, ref)

@@ -29,7 +29,8 @@ def add_parser(sub):
                        "(llama.cpp) or an ExecuTorch .pte. Each is reloaded and checked against the source before it "
                        "is moved into place.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="built-in name (tiny-gemma3), transformers directory, or hub name")
-    p.add_argument("--out", help="output directory (transformers) or file (.gguf, .pte)")
+    p.add_argument("--out", help="output directory (transformers) or file (.gguf, .pte); missing parent directories "
+                   "are created; never the MODEL itself, inside it or around it")
     p.add_argument("--format", default="transformers", choices=["transformers", "gguf", "pte"])
     p.add_argument("--scheme", choices=PTQ_SCHEMES, help="transformers format: quantization scheme (see --list)")
     p.add_argument("--group-size", type=int, default=32, help="input columns per scale; 0 = per-channel")
@@ -114,7 +115,7 @@ def _run_ptq(args) -> int:
     from ..compress.ptq import source_dir
     from ..compress.schemes import SCHEMES, QuantSpec, require_device
     from ..errors import HfscaleError
-    from ..models import load_config, load_tokenizer
+    from ..models import has_tokenizer, load_config, load_tokenizer
 
     if not args.scheme:
         raise HfscaleError(f"--scheme is required for --format transformers; choose one of {', '.join(s for s in SCHEMES if s != 'q4_0')}")
@@ -122,14 +123,15 @@ def _run_ptq(args) -> int:
         raise HfscaleError("--qtype/--embed-qtype are for --format gguf or pte; use --scheme for a transformers directory")
     spec = QuantSpec(args.scheme, group_size=args.group_size, mapping=args.mapping, include_embeddings=args.include_embeddings)
     require_device(spec.scheme)
-    check_writable([args.out], args.force)
+    check_writable({args.out: "--out"}, args.force, inputs={args.model: "MODEL", args.calibration: "--calibration"})
     load_config(args.model)  # unknown model: one line before any work
     if spec.info.calibrated and not args.calibration:
         raise HfscaleError(f"{spec.scheme} needs calibration data; pass --calibration builtin or a text file")
     calib = _calibration(args, args.model)
     with source_dir(args.model) as src:
         record = quantize_and_save(src, spec, args.out, args.force, calib, verify=not args.no_verify,
-                                   tokenizer=load_tokenizer(args.model), source_name=args.model)
+                                   tokenizer=load_tokenizer(args.model) if has_tokenizer(args.model) else None,
+                                   source_name=args.model)  # weight-only PTQ needs no tokenizer; kept when present
     b0, b1 = record["source_bytes"], record["bytes"]
     grid = (f"group {spec.group_size or 'per-channel'}, {spec.resolved_mapping()}" if spec.info.library != "bitsandbytes"
             else spec.info.granularities[0])

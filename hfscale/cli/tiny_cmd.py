@@ -11,31 +11,22 @@ def add_parser(sub):
         "and its tokenizer as a directory that AutoModelForCausalLM / AutoTokenizer load offline.",
         epilog="example:\n  hfscale tiny --out tiny_model && python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('tiny_model')\"",
     )
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="directory to write (missing parent directories are created)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    import shutil
-    import tempfile
     from pathlib import Path
 
-    from ..atomic import check_writable
+    from ..atomic import check_writable, staged
     from ..models import TINY, save_pretrained_dir
 
     out = Path(args.out)
-    check_writable([out], args.force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    check_writable({out: "--out"}, args.force)
+    with staged(out, directory=True) as tmp:  # the directory appears whole or not at all
         save_pretrained_dir(TINY, tmp, seed=args.seed)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # the directory appears whole or not at all
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     n = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({n / 1e6:.1f} MB): {', '.join(sorted(f.name for f in out.iterdir()))}")
     return 0

@@ -1,5 +1,5 @@
 """Writing a quantized model as a transformers directory (safetensors) that `from_pretrained` reloads
-with the same logits, atomically (temp dir in the same parent + rename).
+with the same logits, atomically (hfscale.atomic.staged: a stage beside the target + rename).
 
 Measured pitfall (FACTS.md; pytorch/ao #3800, #2230): `save_pretrained` on a model quantized in memory
 with `quantize_` (PTQ, QAT convert, GPTQ) fails with "Attempted to access the data pointer on an invalid
@@ -11,11 +11,9 @@ like one loaded with TorchAoConfig, and its config.json records the quantization
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
-from ..atomic import check_writable
+from ..atomic import check_writable, staged
 from ..errors import HfscaleError
 
 
@@ -34,26 +32,19 @@ def attach_torchao_quantizer(model, transformers_cfg) -> None:
 
 
 def save_model_dir(model, out: str | Path, tokenizer=None, force: bool = False, extra_files: dict | None = None) -> Path:
-    """save_pretrained(safe_serialization=True) into a temp dir beside `out`, then rename it into place.
+    """save_pretrained(safe_serialization=True) into a stage beside `out`, then rename it into place.
 
     Refuses before writing if `out` exists and force is off; a crash leaves `out` as it was.
     """
     out = Path(out)
-    check_writable([out], force)
+    check_writable({out: "--out"}, force)
     if any(getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False) for p in model.parameters()):
         raise HfscaleError("this bitsandbytes 4-bit model ran forward on CPU in its repacked layout, which does not save "
                            "back correctly; load it with hfscale.compress.ptq.quantize_model (portable layout) and save it first")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged(out, directory=True) as tmp:  # the directory appears whole or not at all
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # the directory appears whole or not at all
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -1,15 +1,14 @@
 """The two export entry points behind FORMATS: validate everything first (nothing is written on
 bad input), build, verify in the target runtime, then move the artifact into place and write its
-sidecar. The artifact is staged under a hidden name in the output directory and renamed only
-after it loaded and ran, so `out` never holds a half-written or unverified file."""
+sidecar. The artifact is staged beside `out` (hfscale.atomic.staged) and renamed only after it
+loaded and ran, so `out` never holds a half-written or unverified file."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-from ..atomic import check_writable
+from ..atomic import check_writable, staged
 from ..errors import HfscaleError
 from ..models import load_for_eval
 from . import evalset as E
@@ -18,16 +17,12 @@ from .sidecar import sidecar_path, source_info, write_sidecar
 
 def _prepare(model: str, out, force: bool):
     out = Path(out)
-    check_writable([out, sidecar_path(out)], force)
+    check_writable({out: "--out", sidecar_path(out): "--out"}, force, inputs={model: "MODEL"})
     if out.exists() and out.is_dir():
         raise HfscaleError(f"{out} is a directory; give a file path for --out")
     from ..models import load_config
 
     return out, load_config(model)
-
-
-def _staging(out: Path) -> Path:
-    return out.parent / f".{out.name}.staging{out.suffix}"
 
 
 def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed_qtype: str | None = None,
@@ -38,9 +33,8 @@ def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed
     out, cfg = _prepare(model, out, force)
     check_supported(cfg)
     m, tok = load_for_eval(model)
-    stage = _staging(out)
     t0 = time.perf_counter()
-    try:
+    with staged(out) as stage:
         counts = write_gguf(m, tok, stage, opts, name=str(model), progress=progress)
         seconds = time.perf_counter() - t0
         rec = {"format": "gguf", "source": source_info(model, m),
@@ -52,9 +46,6 @@ def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed
 
             rec["verification"] = verify_gguf(stage, m, tok, evalset, progress=progress)
             rec["verification"]["transformers_gguf_reload"] = verify_transformers_reload(stage, m, tok, evalset)
-        os.replace(stage, out)
-    finally:
-        stage.unlink(missing_ok=True)
     write_sidecar(out, rec)
     return {"out": str(out), "bytes": out.stat().st_size, **rec}
 
@@ -75,9 +66,8 @@ def export_pte(model: str, out, qtype: str = "8da4w", force: bool = False, max_s
     same = copy.deepcopy(fp32)
     if qtype == "8da4w":
         quantize_8da4w_(same)
-    stage = _staging(out)
     t0 = time.perf_counter()
-    try:
+    with staged(out) as stage:
         lower_to_pte(decode_module(same, max_seq_len), stage)
         seconds = time.perf_counter() - t0
         rec = {"format": "pte", "source": source_info(model, fp32),
@@ -87,8 +77,5 @@ def export_pte(model: str, out, qtype: str = "8da4w", force: bool = False, max_s
                "export_seconds": seconds}
         if verify:
             rec["verification"] = verify_pte(stage, same, fp32, tok, es, n_generate, progress=progress)
-        os.replace(stage, out)
-    finally:
-        stage.unlink(missing_ok=True)
     write_sidecar(out, rec)
     return {"out": str(out), "bytes": out.stat().st_size, **rec}

@@ -28,8 +28,6 @@ Gemma 4 — see `_hparams_gemma4` and `_check_gemma4` for the llama.cpp side of 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -427,38 +425,29 @@ def _tensors(model, arch: _Arch):
 
 
 def write_gguf(model, tokenizer, out: Path, opts: GGUFOptions, name: str = "", progress: bool = True) -> dict:
-    """Write `model` (a Gemma3ForCausalLM or Gemma4ForCausalLM, fp32) to `out` atomically.
-    Returns tensor-type counts."""
+    """Write `model` (a Gemma3ForCausalLM or Gemma4ForCausalLM, fp32) to the file `out` (callers that
+    publish it stage it: export.artifacts). Returns tensor-type counts."""
     import gguf
 
     cfg = model.config
     check_supported(cfg)
     arch = ARCHS[cfg.model_type]
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.gguf_arch]])
-        w.add_name(name or "hfscale export")
-        w.add_file_type(gguf.LlamaFileType[{"F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
-                                            "Q4_0": "MOSTLY_Q4_0"}[opts.qtype]])
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        arch.hparams(w, cfg)
-        _add_tokenizer(w, tokenizer, cfg.vocab_size)
+    w = gguf.GGUFWriter(Path(out), arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.gguf_arch]])
+    w.add_name(name or "hfscale export")
+    w.add_file_type(gguf.LlamaFileType[{"F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
+                                        "Q4_0": "MOSTLY_Q4_0"}[opts.qtype]])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    arch.hparams(w, cfg)
+    _add_tokenizer(w, tokenizer, cfg.vocab_size)
 
-        counts: dict[str, int] = {}
-        for gname, arr in _tensors(model, arch):
-            qt = _tensor_type(gname, arr.shape, opts)
-            w.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
-            counts[qt.name] = counts.get(qt.name, 0) + 1
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file(progress=progress)
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    counts: dict[str, int] = {}
+    for gname, arr in _tensors(model, arch):
+        qt = _tensor_type(gname, arr.shape, opts)
+        w.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+        counts[qt.name] = counts.get(qt.name, 0) + 1
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=progress)
+    w.close()
     return counts

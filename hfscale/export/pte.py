@@ -13,8 +13,6 @@ runs those as its dynamically quantized kernels. The tied embedding stays fp32 f
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +50,8 @@ def decode_module(model, max_seq_len: int):
 
 def lower_to_pte(dec, out: Path) -> int:
     """torch.export (strict: the non-strict tracer trips on the cache's in-place updates in
-    torch 2.13) -> edge -> XNNPACK delegate -> .pte bytes, written atomically."""
+    torch 2.13) -> edge -> XNNPACK delegate -> .pte bytes in the file `out` (callers that publish
+    it stage it: export.artifacts)."""
     import torch
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
@@ -61,16 +60,9 @@ def lower_to_pte(dec, out: Path) -> int:
     with torch.no_grad():
         ep = torch.export.export(dec, (), example, strict=True)
     prog = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            prog.write_to_file(f)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out.stat().st_size
+    with open(out, "wb") as f:
+        prog.write_to_file(f)
+    return Path(out).stat().st_size
 
 
 class PteRunner:

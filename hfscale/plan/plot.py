@@ -4,9 +4,6 @@ from __future__ import annotations
 
 
 def plot_candidates(rows: list[dict], path: str, title: str, gpu_mem: int, limit: int = 16) -> None:
-    import io
-    import os
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,10 +31,10 @@ def plot_candidates(rows: list[dict], path: str, title: str, gpu_mem: int, limit
     ax.set_title(title + "  (* fits)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-    os.replace(tmp, path)
+    from ..atomic import staged
+
+    try:
+        with staged(path) as stage:
+            fig.savefig(stage, format="png", dpi=110)
+    finally:
+        plt.close(fig)

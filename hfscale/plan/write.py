@@ -25,5 +25,5 @@ def write_plan(row: dict, hw, out: Path, force: bool = False) -> list[Path]:
         args["deepspeed"] = str(out / f"{spec.name}.json")
     header = f"# TrainingArguments for the plan '{row['strategy']}' (hfscale plan --write); predicted peak {row['peak_bytes'] / 1e9:.1f} GB/GPU\n"
     files[out / "training_args.yaml"] = header + yaml.safe_dump(args, sort_keys=False)
-    check_writable(files, force)
+    check_writable({p: "--write" for p in files}, force)
     return [write_text_atomic(p, t) for p, t in files.items()]

@@ -32,11 +32,15 @@ def render_config_set(spec: ScaleSpec, accelerate_dir, deepspeed_dir) -> dict[Pa
     return out
 
 
-def write_config_sets(specs, accelerate_dir, deepspeed_dir, force: bool = False, check_paths: bool = True) -> list[Path]:
+def write_config_sets(specs, accelerate_dir, deepspeed_dir, force: bool = False, check_paths: bool = True,
+                      inputs=()) -> list[Path]:
+    """inputs: {path: flag} of files the configs were made from (a --spec), never overwritten."""
     rendered: dict[Path, str] = {}
+    flags: dict[Path, str] = {}
     for spec in specs:
         if check_paths:
             check_nvme_path(spec)
         rendered.update(render_config_set(spec, accelerate_dir, deepspeed_dir))
-    check_writable(rendered, force)  # before anything is written
+        flags.update({p: f"--out-{kind}" for kind, p in config_paths(spec, accelerate_dir, deepspeed_dir).items()})
+    check_writable(flags, force, inputs)  # before anything is written
     return [write_text_atomic(p, text) for p, text in rendered.items()]

@@ -70,6 +70,20 @@ class Preflight:
     precision: object  # hosts.PrecisionChoice: what runs, and the line to print if it is not the launch's
 
 
+# what a run writes under OUTPUT_DIR (QAT adds the last two); --force replaces them
+RUN_OUTPUTS = ("checkpoints", "model", "metrics.jsonl", "recipe.json", "quantized", "quality.json")
+
+
+def check_run_outputs(cfg) -> None:
+    """Refuse an OUTPUT_DIR whose outputs would replace (or sit inside) the model or data it reads,
+    or that cannot be created, before anything is loaded (hfscale.atomic)."""
+    from ..atomic import check_overlap, check_parents
+
+    outputs = {Path(cfg.output_dir) / name: "--output-dir" for name in RUN_OUTPUTS}
+    check_overlap(outputs, {cfg.model: "--model", cfg.data: "--data", cfg.validation: "--validation"})
+    check_parents(outputs)
+
+
 def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     """Every check that can fail on the user's input, before a process group or a model exists.
     `source`: the recipe YAML the settings came from (named in doctor's findings)."""
@@ -81,6 +95,7 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     from .state import Checkpoints, model_fingerprint
 
     launch = read_launch(os.environ)  # the recipe's edge: the launcher's environment is read here, once
+    check_run_outputs(cfg)
     model_config = load_config(cfg.model)
     limit = getattr(getattr(model_config, "text_config", None) or model_config, "max_position_embeddings", None)
     if limit and cfg.seq_len > limit:

@@ -2,11 +2,12 @@
 final consolidated transformers directory that is checked before success is reported.
 
 Layout under OUTPUT_DIR/checkpoints/:
-  step_00000020/            a complete checkpoint (accelerate save_state + hfscale_state.json)
-  step_00000030.partial/    a save in progress, or one a crash interrupted: never resumed from
-A checkpoint becomes visible only by renaming its .partial directory after every rank has
-written its shard and the marker is on disk, so a kill at any moment leaves the previous
-checkpoints intact and usable.
+  step_00000020/                                  a complete checkpoint (accelerate save_state + hfscale_state.json)
+  .hfscale-stage.<host>.<pid>.<start>.step_00000030/  a save in progress, or one a crash interrupted
+                                                  (hfscale.atomic's stage): never resumed from
+A checkpoint becomes visible only by renaming its stage after every rank has written its shard and
+the marker is on disk, so a kill at any moment leaves the previous checkpoints intact and usable;
+the next run removes the stage of a writer that is gone.
 """
 
 from __future__ import annotations
@@ -53,11 +54,14 @@ class Checkpoints:
         return sorted(found)
 
     def clean_partial(self) -> list[Path]:
-        """Remove saves a crash interrupted (main process only, before training starts)."""
-        gone = [d for d in self.root.glob(f"{PREFIX}*.partial")] if self.root.is_dir() else []
-        for d in gone:
+        """Remove saves a crash interrupted (main process only, before training starts): stages whose
+        writer is gone, and `step_N.partial` directories of runs from before hfscale.atomic staged them."""
+        from ..atomic import clean_stale
+
+        legacy = list(self.root.glob(f"{PREFIX}*.partial")) if self.root.is_dir() else []
+        for d in legacy:
             shutil.rmtree(d, ignore_errors=True)
-        return gone
+        return clean_stale(self.root) + legacy
 
     def resolve(self, resume: str | None, fingerprint: dict) -> tuple[Path, dict] | None:
         """The checkpoint to resume from (None for a fresh start), validated against the model."""
@@ -83,26 +87,20 @@ class Checkpoints:
 
     def save(self, accelerator, step: int, meta: dict) -> Path:
         """Collective: every rank calls it. Returns the completed checkpoint directory."""
+        from accelerate.utils import broadcast_object_list
+
+        from ..atomic import begin_stage, commit, write_text_atomic
+
         final = self.root / f"{PREFIX}{step:08d}"
-        partial = final.with_name(final.name + ".partial")
-        if accelerator.is_main_process:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(partial))  # model, optimizer (ZeRO shards per rank), RNG states
+        # the main rank makes the stage; its name (pid-specific) is broadcast, which is also the barrier
+        stage = [str(begin_stage(final, directory=True)) if accelerator.is_main_process else None]
+        stage = Path(broadcast_object_list(stage)[0])
+        accelerator.save_state(str(stage))  # model, optimizer (ZeRO shards per rank), RNG states
         fault("save", step, accelerator.process_index)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            body = json.dumps({**meta, "step": step}, indent=1)
-            tmp = partial / (MARKER + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, partial / MARKER)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
+            write_text_atomic(stage / MARKER, json.dumps({**meta, "step": step}, indent=1))
+            commit(stage, final)  # replaces an older save of the same step in one swap
             for _, old in self.complete()[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
@@ -154,23 +152,20 @@ def save_final(accelerator, model, tokenizer, out: str | os.PathLike) -> dict:
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards to the main process
     result: dict = {}
     if accelerator.is_main_process:
-        tmp = out.with_name(f".{out.name}.partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+        from ..atomic import staged
+
         state = _drop_tied(accelerator.unwrap_model(model), state)
         # checkpointing switched the KV cache off for training; the saved model is for inference and fine-tuning
         accelerator.unwrap_model(model).config.use_cache = True
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        numel, nbytes = saved_numel(tmp)
-        if numel < expected:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise HfscaleError(
-                f"the consolidated save holds {numel:,} parameter elements but the model has {expected:,}; "
-                "for ZeRO-3 set stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed JSON"
-            )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        with staged(out, directory=True) as tmp:  # removed again if the check below refuses
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            numel, nbytes = saved_numel(tmp)
+            if numel < expected:
+                raise HfscaleError(
+                    f"the consolidated save holds {numel:,} parameter elements but the model has {expected:,}; "
+                    "for ZeRO-3 set stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed JSON"
+                )
         result = {"path": str(out), "numel": numel, "model_numel": expected, "bytes": nbytes}
     accelerator.wait_for_everyone()
     return result
