@@ -33,7 +33,7 @@ from hfscale.plan.dims import dims_from_config  # noqa: E402
 from hfscale.plan.measure import saved_activation_bytes  # noqa: E402
 from hfscale.plan.memory import activation_bytes  # noqa: E402
 from hfscale.proof import free_port  # noqa: E402
-from hfscale.train.activation import apply_checkpointing_, resolve  # noqa: E402
+from hfscale.checkpointing import apply_checkpointing_, resolve  # noqa: E402
 from hfscale.train.metrics import read_records  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from .hosts import PRECISION_CHOICES
+
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m hfscale.proof", description=__doc__.splitlines()[0])
@@ -28,6 +30,8 @@ def _parse(argv):
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step over all ranks")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--precision", default="launch", choices=PRECISION_CHOICES,
+                   help="launch: as the config says; auto: the same but fp32 where this host emulates bf16")
     return p.parse_args(argv)
 
 
@@ -105,13 +109,20 @@ def run(args) -> dict:
 
     from .corpus import load_text, packed_blocks
     from .models import build_model, load_tokenizer
-    from .scale.runtime import make_accelerator, make_optimizer
+    from .hosts import bf16_support, resolve_precision
+    from .scale.runtime import make_accelerator, make_optimizer, read_launch
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = read_launch(os.environ)
+    world = launched.world
     if args.global_batch % (args.micro_batch * world):
         raise SystemExit(f"global batch {args.global_batch} is not micro {args.micro_batch} x world {world} x an integer")
     accum = args.global_batch // (args.micro_batch * world)
-    accelerator = make_accelerator(gradient_accumulation_steps=accum)
+    choice = resolve_precision(args.precision, launched.precision, bf16_support("cpu" if launched.on_cpu else "cuda"),
+                               what=args.model)
+    accelerator = make_accelerator(precision=choice.precision if choice.overridden else None,
+                                   gradient_accumulation_steps=accum)
+    if accelerator.is_main_process and choice.note:
+        print(f"[hfscale proof] {choice.note}", flush=True)
 
     # --- data: the first steps x global batch blocks of the corpus, each tagged with its index ---
     tokenizer = load_tokenizer(args.model)
@@ -137,6 +148,8 @@ def run(args) -> dict:
         "gradient_accumulation_steps": accum,
         "global_batch": args.global_batch,
         "mixed_precision": accelerator.mixed_precision,
+        "precision": choice.precision,
+        "precision_note": choice.note,
     }
     engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
     if engine is not None:
@@ -228,8 +241,12 @@ def free_port() -> int:
 
 
 def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str] | None = None,
-           num_machines: int = 1, timeout: float = 900, log: str | Path | None = None) -> list[dict]:
+           num_machines: int = 1, timeout: float = 900, log: str | Path | None = None,
+           precision: str = "launch") -> list[dict]:
     """Run the proof under `accelerate launch --config_file config` and return the rank reports.
+
+    precision: "launch" runs what the config says; "auto" the same except fp32 where this host
+    emulates bf16 (the demo's and the engine tests' choice); bf16 / fp16 / fp32 force it.
 
     num_machines > 1 starts one launcher per machine rank on this host (127.0.0.1), the way a
     multi-node job runs, with num_processes counted over all machines.
@@ -247,7 +264,7 @@ def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str
     port = str(free_port())
     base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
             "--num_processes", str(num_processes), "--main_process_port", port]
-    script = ["-m", "hfscale.proof", "--out", str(out), *(extra or [])]
+    script = ["-m", "hfscale.proof", "--out", str(out), "--precision", precision, *(extra or [])]
     if num_machines == 1:
         cmds = [base + ["--num_machines", "1", "--machine_rank", "0", *script]]
     else:
@@ -286,6 +303,7 @@ def summarize(name: str, reports: list[dict], reference: list[dict] | None = Non
         "params/rank": f"{r0['param_numel_local']:,}/{r0['param_numel_full']:,}",
         "Adam exp_avg/rank": f"{r0.get('optimizer_state_numel_by_key', {}).get('exp_avg', 0):,}" + (f" on {','.join(r0['optimizer_state_devices'])}" if r0.get("optimizer_state_devices") else ""),
         "optimizer": r0.get("base_optimizer_class", "AdamW (DDP)"),
+        "precision": r0.get("precision", "-"),
         "final loss": round(r0["losses"][-1], 4),
     }
     if reference:

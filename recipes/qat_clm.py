@@ -111,7 +111,8 @@ def train(cfg, force, pre) -> int:
             "tokens_per_step": plan.tokens_per_step, "scheme": spec.scheme}
 
     # --- train (against the grid) ---
-    train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start, meta, loss_fn)
+    train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start, meta, loss_fn,
+                tag="qat_clm")
     ev = evaluate(model, accelerator, val_blocks, plan.micro_batch)
     log.write({"kind": "eval", "step": cfg.max_steps, "loss": ev, "ppl": math.exp(ev), "final": True, "fake_quant": True})
 

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 def train(cfg, force, pre) -> int:
     from hfscale.models import build_model, load_tokenizer
     from hfscale.scale.runtime import make_optimizer
-    from hfscale.train.activation import apply_checkpointing_
+    from hfscale.checkpointing import apply_checkpointing_
     from hfscale.train.loop import evaluate, load_blocks, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint, save_final

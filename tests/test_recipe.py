@@ -16,7 +16,7 @@ import pytest
 
 from hfscale.atomic import STAGE_PREFIX
 from hfscale.errors import ConfigError
-from hfscale.train.activation import checkpointed_layers, resolve
+from hfscale.checkpointing import checkpointed_layers, resolve
 from hfscale.train.batching import plan_batch, rank_indices
 from hfscale.train.config import TrainConfig, load_recipe
 from hfscale.train.metrics import read_records
@@ -81,7 +81,7 @@ def test_checkpointing_saves_memory_and_keeps_gradients():
 
     from hfscale.models import TINY, build_model
     from hfscale.plan.measure import saved_activation_bytes
-    from hfscale.train.activation import apply_checkpointing_
+    from hfscale.checkpointing import apply_checkpointing_
 
     ids = torch.randint(4, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
     measured, grads = {}, {}

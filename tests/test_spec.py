@@ -9,7 +9,8 @@ from hfscale.scale.accelerate import to_accelerate
 from hfscale.scale.deepspeed import to_deepspeed
 from hfscale.scale.load import load_spec, spec_from_dict, spec_to_dict
 from hfscale.scale.presets import PRESETS
-from hfscale.scale.spec import Aio, Launch, ScaleSpec, Zero, check_nvme_path, parse_checkpointing
+from hfscale.checkpointing import parse_checkpointing
+from hfscale.scale.spec import Aio, Launch, ScaleSpec, Zero, check_nvme_path
 
 
 @pytest.mark.parametrize(

@@ -119,7 +119,7 @@ def run(args) -> int:
             raise HfscaleError("nothing fits, so there is no pick to write; " + out["nothing_fits"])
         from ..plan.write import write_plan
 
-        for f in write_plan(best, hw, Path(args.write), force=args.force):
+        for f in write_plan(best, hw, Path(args.write), force=args.force, model=args.model, seq_len=args.seq_len):
             if not args.json:
                 print(f"wrote {f}")
     return 1 if hw is not None and best is None else 0

@@ -23,6 +23,11 @@ def add_parser(sub):
     p.add_argument("--reference", action="store_true", help="also run 1 process and compare losses")
     p.add_argument("--out", default="proof_out", help="directory for rank reports and logs, created if missing; "
                    "its ranks/ and reference/ are replaced (default: %(default)s)")
+    from ..hosts import PRECISION_CHOICES
+
+    p.add_argument("--precision", default="launch", choices=PRECISION_CHOICES,
+                   help="launch (default): the config's precision; auto: the same, but fp32 where this host emulates "
+                   "bf16; bf16 / fp16 / fp32: force it")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
 
@@ -43,8 +48,9 @@ def run(args) -> int:
     written = {out / "ranks": "--out", out / "reference": "--out"}  # what a proof replaces under --out
     check_overlap(written, inputs={args.config: "--config", args.model: "--model"})
     check_parents(written)
-    reports = launch(args.config, out / "ranks", args.num_processes, extra, num_machines=args.num_machines)
-    ref = launch(args.config, out / "reference", 1, extra) if args.reference else None
+    reports = launch(args.config, out / "ranks", args.num_processes, extra, num_machines=args.num_machines,
+                     precision=args.precision)
+    ref = launch(args.config, out / "reference", 1, extra, precision=args.precision) if args.reference else None
     row = summarize(Path(args.config).stem, reports, ref)
     if args.json:
         print(json.dumps(row))

@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import HfscaleError
-from ..scale.spec import parse_checkpointing
+from ..checkpointing import checkpointed_layers, parse_checkpointing
 from .dims import Dims
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4}
@@ -117,15 +117,6 @@ class Strategy:
         return " ".join(parts)
 
 
-def checkpointed_layers(layers: int, checkpointing: str) -> int:
-    mode, k = parse_checkpointing(checkpointing)
-    if mode == "off":
-        return 0
-    if mode == "full":
-        return layers
-    return len(range(0, layers, k))  # every k-th layer, starting with the first
-
-
 def layer_activation_bytes(d: Dims, B: int, S: int, precision: str, attention: str = "sdpa") -> int:
     T, h, I, q, kv, hd = B * S, d.hidden, d.intermediate, d.heads, d.kv_heads, d.head_dim
     bf16 = precision == "bf16"
@@ -144,14 +135,6 @@ def layer_activation_bytes(d: Dims, B: int, S: int, precision: str, attention: s
     if bf16:
         return 16 * T * h + 8 * T * I + 6 * B * q * S * S + 8 * T * q * hd + 8 * T
     return 24 * T * h + 16 * T * I + 4 * B * q * S * S + 16 * T * q * hd + 8 * T
-
-
-def checkpointed_set(layers: int, checkpointing: str) -> set[int]:
-    """Indices of the checkpointed layers: all for full, every k-th starting with the first for every:K."""
-    mode, k = parse_checkpointing(checkpointing)
-    if mode == "off":
-        return set()
-    return set(range(layers)) if mode == "full" else set(range(0, layers, k))
 
 
 def _rmsnorm_bytes(rows: int, width: int, bf16: bool, input_saved: bool = True, scaled: bool = True) -> int:
@@ -267,7 +250,7 @@ def _gemma4_activation_bytes(d: Dims, B: int, S: int, precision: str, checkpoint
     T, h, V, L = B * S, d.hidden, d.vocab, d.layers
     bf16 = precision == "bf16"
     e = 2 if bf16 else 4
-    ckpt = checkpointed_set(L, checkpointing)
+    ckpt = set(checkpointed_layers(checkpointing, L))
     cache = not ckpt  # transformers turns use_cache off when checkpointing in training
     per = [gemma4_layer_bytes(d, i, B, S, bf16, attention, cache) for i in range(L)]
     layers = sum(e * T * h if i in ckpt and i > 0 else (0 if i in ckpt else per[i]) for i in range(L))
@@ -301,7 +284,7 @@ def activation_bytes(d: Dims, B: int, S: int, precision: str = "bf16", checkpoin
         return _gemma4_activation_bytes(d, B, S, precision, checkpointing, attention)
     T = B * S
     elem = 2 if precision == "bf16" else 4
-    ckpt = checkpointed_set(d.layers, checkpointing)
+    ckpt = set(checkpointed_layers(checkpointing, d.layers))
     n_ckpt = len(ckpt)
     per_layer = layer_activation_bytes(d, B, S, precision, attention)
     layers = (d.layers - n_ckpt) * per_layer + n_ckpt * elem * T * d.hidden

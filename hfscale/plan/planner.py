@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from ..errors import HfscaleError
 from .dims import Dims
-from .memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Strategy, checkpointed_layers, predict
+from ..checkpointing import checkpointed_layers, resolve
+from .memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Strategy, predict
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,15 @@ def parse_size(text: str) -> int:
                 value = float(t[: -len(u)])
             except ValueError:
                 break
+            if not math.isfinite(value):  # 'nanGB', 'infGB'
+                break
             return int(value * mult)
     raise HfscaleError(f"cannot read size {text!r}; write it like 80GB, 40GiB or 1.5TB")
 
 
 def cost(d: Dims, s: Strategy, max_micro: int) -> float:
     c = 1.0
-    c += (1 / 3) * checkpointed_layers(d.layers, s.checkpointing) / d.layers
+    c += (1 / 3) * len(checkpointed_layers(s.checkpointing, d.layers)) / d.layers
     c += 0.10 if s.zero == 3 else 0.0
     c += {"none": 0.0, "cpu": 0.5, "nvme": 1.0}[s.offload]
     c += 0.05 * math.log2(max_micro / s.micro_batch)
@@ -77,13 +80,13 @@ def candidates(d: Dims, hw: Hardware, seq_len: int, global_batch_tokens: int, pr
             f"use a multiple of {seq_len * dp:,}"
         )
     micros = [m for m in (1, 2, 4, 8, 16, 32) if per_step_seqs % m == 0]
-    k = max(1, round(math.sqrt(d.layers)))
+    ckpt_modes = list(dict.fromkeys(("off", resolve("auto", d.layers), "full")))  # every ~sqrt(L)-th layer
     rows = []
     for zero in (0, 1, 2, 3):
         for offload in ("none", "cpu", "nvme"):
             if offload != "none" and zero < 2 or offload == "nvme" and (zero != 3 or not hw.nvme):
                 continue
-            for ckpt in ("off", f"every:{k}", "full"):
+            for ckpt in ckpt_modes:
                 for micro in micros:
                     s = Strategy(zero=zero, dp=dp, precision=precision, offload=offload, checkpointing=ckpt,
                                  micro_batch=micro, seq_len=seq_len, attention=attention)
@@ -92,7 +95,7 @@ def candidates(d: Dims, hw: Hardware, seq_len: int, global_batch_tokens: int, pr
                     cpu_need = pred["offloaded_per_rank"] * hw.gpus_per_node if offload == "cpu" else 0
                     fits = peak <= hw.gpu_mem and cpu_need <= hw.cpu_mem
                     rows.append({
-                        "strategy": s.label, "zero": zero, "offload": offload, "checkpointing": ckpt,
+                        "strategy": s.label, "zero": zero, "offload": offload, "checkpointing": ckpt, "precision": precision,
                         "micro_batch": micro, "grad_accum": per_step_seqs // micro, "dp": dp,
                         "prediction": pred, "peak_bytes": peak, "cpu_bytes_per_node": cpu_need,
                         "fits": fits, "cost": cost(d, s, max(micros)),
@@ -125,7 +128,8 @@ def to_scale_spec(row: dict, hw: Hardware, name: str = "plan"):
     launch = Launch(num_processes=hw.world, num_machines=hw.nodes,
                     main_process_ip="MAIN_NODE_ADDRESS" if hw.nodes > 1 else None)
     return ScaleSpec(name, engine="deepspeed" if row["zero"] > 0 else "ddp", zero=zero if row["zero"] > 0 else Zero(stage=0),
-                     gradient_accumulation_steps=row["grad_accum"], gradient_checkpointing=row["checkpointing"], launch=launch)
+                     precision=row.get("precision", "bf16"), gradient_accumulation_steps=row["grad_accum"],
+                     gradient_checkpointing=row["checkpointing"], launch=launch)
 
 
 __all__ = ["Hardware", "candidates", "pick", "shortfall", "parse_size", "to_scale_spec"]

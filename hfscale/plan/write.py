@@ -1,5 +1,8 @@
-"""Writing a picked plan with the foundation's config builders: accelerate YAML, DeepSpeed JSON and
-the TrainingArguments keywords (as YAML) that agree with them."""
+"""Writing a picked plan with the foundation's config builders: accelerate YAML, DeepSpeed JSON, the
+TrainingArguments keywords (as YAML) that agree with them, and the same settings as a
+recipes/train_clm.py config. The checkpointing the plan costed (off / full / every:K) is the one all
+three ways of training run: Trainer gets every_n_layers, the recipe and plain loops
+`hfscale.checkpointing.apply_checkpointing_`."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from ..scale.runtime import training_arguments_kwargs
 from .planner import to_scale_spec
 
 
-def write_plan(row: dict, hw, out: Path, force: bool = False) -> list[Path]:
+def write_plan(row: dict, hw, out: Path, force: bool = False, model: str | None = None, seq_len: int | None = None) -> list[Path]:
     spec = to_scale_spec(row, hw)
     files = render_config_set(spec, out, out)
     kw = training_arguments_kwargs(spec)
@@ -25,5 +28,13 @@ def write_plan(row: dict, hw, out: Path, force: bool = False) -> list[Path]:
         args["deepspeed"] = str(out / f"{spec.name}.json")
     header = f"# TrainingArguments for the plan '{row['strategy']}' (hfscale plan --write); predicted peak {row['peak_bytes'] / 1e9:.1f} GB/GPU\n"
     files[out / "training_args.yaml"] = header + yaml.safe_dump(args, sort_keys=False)
+    if model and seq_len:
+        recipe = {"model": model, "seq_len": seq_len, "micro_batch": row["micro_batch"],
+                  "global_batch_tokens": row["micro_batch"] * row["grad_accum"] * hw.world * seq_len,
+                  "checkpointing": row["checkpointing"], "precision": "launch"}
+        files[out / "recipe.yaml"] = (
+            f"# accelerate launch --config_file {out / (spec.name + '.yaml')} recipes/train_clm.py --config {out / 'recipe.yaml'}\n"
+            f"# recipes/train_clm.py settings for the plan '{row['strategy']}' (hfscale plan --write); add data, max_steps, lr\n"
+            + yaml.safe_dump(recipe, sort_keys=False))
     check_writable({p: "--write" for p in files}, force)
     return [write_text_atomic(p, t) for p, t in files.items()]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import yaml
 
-from .spec import ScaleSpec, parse_checkpointing
+from ..checkpointing import parse_checkpointing
+from .spec import ScaleSpec
 
 
 def _distributed_type(spec: ScaleSpec) -> str:
@@ -55,6 +56,7 @@ def to_accelerate(spec: ScaleSpec, deepspeed_config_file: str | None = None) -> 
         if L.num_machines > 1:
             cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     elif spec.engine == "fsdp2":
+        # ScaleSpec refuses every:K with fsdp2: accelerate's flag checkpoints every layer or none
         mode, _ = parse_checkpointing(spec.gradient_checkpointing)
         cfg["fsdp_config"] = {
             "fsdp_version": 2,

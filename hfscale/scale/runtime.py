@@ -1,10 +1,47 @@
-"""Using a ScaleSpec (or shipped files) from inside training code: the Accelerator factory,
-the optimizer that matches the DeepSpeed config, and the TrainingArguments keywords."""
+"""Using a ScaleSpec (or shipped files) from inside training code: what the launch really is, the
+Accelerator factory (in the precision chosen), the optimizer that matches the DeepSpeed config, and
+the TrainingArguments keywords."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .deepspeed import to_deepspeed
-from .spec import ScaleSpec, parse_checkpointing
+from ..checkpointing import every_n_layers
+from .spec import ScaleSpec
+
+
+@dataclass(frozen=True)
+class LaunchView:
+    """What a launch will really run with, read once (at the edge: a recipe's or the proof's start) from the
+    launcher's environment and the DeepSpeed JSON it names."""
+    world: int
+    deepspeed_file: str | None  # ACCELERATE_DEEPSPEED_CONFIG_FILE
+    deepspeed: dict | None  # that JSON as the user wrote it
+    precision: str  # what the launch config says: bf16 | fp16 | fp32
+    on_cpu: bool
+
+
+def read_launch(environ) -> LaunchView:
+    """The launch as accelerate will see it: the DeepSpeed JSON, else accelerate's mixed_precision."""
+    import torch
+
+    from ..doctor.checks import ds_precision
+    from ..doctor.inputs import read_mapping
+    from ..errors import HfscaleError
+
+    try:
+        world = int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise HfscaleError(f"WORLD_SIZE={environ['WORLD_SIZE']!r} is not an integer; launch with accelerate launch / torchrun") from None
+    mp = {"no": "fp32"}.get(environ.get("ACCELERATE_MIXED_PRECISION", "no"), environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    ds_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" else None
+    ds = read_mapping(ds_file, "DeepSpeed config") if ds_file else None
+    precision = (ds_precision(ds) if ds is not None else None) or mp  # "auto" in the JSON: accelerate's value
+    if precision not in ("bf16", "fp16", "fp32"):
+        precision = "fp32"
+    on_cpu = environ.get("ACCELERATE_USE_CPU", "false").lower() == "true" or not torch.cuda.is_available()
+    return LaunchView(world, ds_file, ds, precision, on_cpu)
 
 
 def cpu_only_host() -> bool:
@@ -92,16 +129,17 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
 
     >>> TrainingArguments(output_dir="out", per_device_train_batch_size=4, **training_arguments_kwargs(spec))
     """
-    mode, every = parse_checkpointing(spec.gradient_checkpointing)
+    every = every_n_layers(spec.gradient_checkpointing)
     kw: dict = {
         "bf16": spec.precision == "bf16",
         "fp16": spec.precision == "fp16",
         "max_grad_norm": float(spec.gradient_clipping),
-        "gradient_checkpointing": mode != "off",
+        "gradient_checkpointing": every is not None,
     }
-    if mode != "off":
-        # non-reentrant checkpointing works with frozen parameters and ZeRO-3 (transformers #47254)
-        kw["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if every is not None:
+        # non-reentrant checkpointing works with frozen parameters and ZeRO-3 (transformers #47254);
+        # Trainer hands every_n_layers to activation_checkpointing_enable, so every:K stays every:K
+        kw["gradient_checkpointing_kwargs"] = {"use_reentrant": False, "every_n_layers": every}
     if spec.gradient_accumulation_steps != "auto":
         kw["gradient_accumulation_steps"] = spec.gradient_accumulation_steps
     if spec.uses_deepspeed:

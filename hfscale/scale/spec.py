@@ -8,9 +8,10 @@ never disagree. Every check raises `ConfigError` with the fix in the message.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, Union
 
+from ..checkpointing import parse_checkpointing
 from ..errors import ConfigError
 
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
@@ -30,17 +31,6 @@ def _positive_int(name: str, value, allow_auto: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         hint = " or 'auto'" if allow_auto else ""
         raise ConfigError(f"{name} must be a positive integer{hint} (got {value!r})")
-
-
-def parse_checkpointing(value: str) -> tuple[str, int]:
-    """'off' | 'full' | 'every:K' -> (mode, K). K=1 is the same as full."""
-    if value in ("off", "full"):
-        return value, 1
-    if value.startswith("every:"):
-        k = value.split(":", 1)[1]
-        if k.isdigit() and int(k) >= 1:
-            return "every", int(k)
-    raise ConfigError(f"gradient checkpointing {value!r} not understood; use off, full or every:K (K >= 1)")
 
 
 @dataclass(frozen=True)
@@ -155,7 +145,11 @@ class ScaleSpec:
         _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps, allow_auto=True)
         if isinstance(self.gradient_clipping, bool) or not isinstance(self.gradient_clipping, (int, float)) or self.gradient_clipping < 0:
             raise ConfigError(f"gradient_clipping must be a number >= 0, 0 meaning off (got {self.gradient_clipping!r})")
-        parse_checkpointing(self.gradient_checkpointing)
+        if parse_checkpointing(self.gradient_checkpointing)[1] > 1 and self.engine == "fsdp2":
+            raise ConfigError(
+                f"gradient checkpointing {self.gradient_checkpointing} cannot be expressed for fsdp2: accelerate's "
+                "fsdp_activation_checkpointing checkpoints every layer or none; use full or off, or engine deepspeed / ddp"
+            )
         if self.engine != "deepspeed":
             z = self.zero
             if z.offload_optimizer != "none" or z.uses_nvme:
@@ -186,6 +180,3 @@ def check_nvme_path(spec: ScaleSpec) -> None:
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
         raise ConfigError(f"NVMe path {path} cannot be created or written here ({probe} is not a writable directory); pass another --nvme-path")
 
-
-def field_names(cls) -> list[str]:
-    return [f.name for f in fields(cls)]

@@ -56,7 +56,7 @@ class TrainConfig:
                 f"use {max(1, self.global_batch_tokens // self.seq_len) * self.seq_len:,} or another multiple"
             )
         if self.checkpointing != "auto":
-            from ..scale.spec import parse_checkpointing
+            from ..checkpointing import parse_checkpointing
 
             parse_checkpointing(self.checkpointing)
         from ..hosts import PRECISION_CHOICES

@@ -27,38 +27,6 @@ def lr_at(step: int, cfg) -> float:
 
 
 @dataclass(frozen=True)
-class LaunchView:
-    """What this launch will really run with, read once from the launcher's environment and files."""
-    world: int
-    deepspeed_file: str | None  # ACCELERATE_DEEPSPEED_CONFIG_FILE
-    deepspeed: dict | None  # that JSON as the user wrote it
-    precision: str  # what the launch config says: bf16 | fp16 | fp32
-    on_cpu: bool
-
-
-def read_launch(environ) -> LaunchView:
-    """The launch as accelerate will see it: the DeepSpeed JSON, else accelerate's mixed_precision."""
-    import torch
-
-    from ..doctor.checks import ds_precision
-    from ..doctor.inputs import read_mapping
-    from ..errors import HfscaleError
-
-    try:
-        world = int(environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise HfscaleError(f"WORLD_SIZE={environ['WORLD_SIZE']!r} is not an integer; launch with accelerate launch / torchrun") from None
-    mp = {"no": "fp32"}.get(environ.get("ACCELERATE_MIXED_PRECISION", "no"), environ.get("ACCELERATE_MIXED_PRECISION", "no"))
-    ds_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" else None
-    ds = read_mapping(ds_file, "DeepSpeed config") if ds_file else None
-    precision = (ds_precision(ds) if ds is not None else None) or mp  # "auto" in the JSON: accelerate's value
-    if precision not in ("bf16", "fp16", "fp32"):
-        precision = "fp32"
-    on_cpu = environ.get("ACCELERATE_USE_CPU", "false").lower() == "true" or not torch.cuda.is_available()
-    return LaunchView(world, ds_file, ds, precision, on_cpu)
-
-
-@dataclass(frozen=True)
 class Preflight:
     """Everything checked before a process group or a model exists, handed to the rest of the recipe."""
     model_config: object
@@ -66,7 +34,7 @@ class Preflight:
     data: dict
     ckpts: object  # state.Checkpoints
     resume: tuple | None
-    launch: LaunchView
+    launch: object  # scale.runtime.LaunchView
     precision: object  # hosts.PrecisionChoice: what runs, and the line to print if it is not the launch's
 
 
@@ -91,6 +59,7 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     from ..errors import HfscaleError
     from ..hosts import bf16_support, resolve_precision
     from ..models import load_config
+    from ..scale.runtime import read_launch
     from .batching import plan_batch
     from .state import Checkpoints, model_fingerprint
 
@@ -120,7 +89,7 @@ RECIPE_KEYS = {"per_device_train_batch_size": "micro_batch", "gradient_accumulat
                "bf16": "precision", "fp16": "precision", "gradient_checkpointing": "checkpointing"}
 
 
-def run_doctor(cfg, plan, launch: LaunchView, precision, support, source: str | None) -> None:
+def run_doctor(cfg, plan, launch, precision, support, source: str | None) -> None:
     """hfscale doctor on what this launch will really do: the user's DeepSpeed JSON (with the precision
     the recipe runs, where it overrides the JSON's), the model, and the recipe's batch shape and
     precision, passed as data. A finding names only the user's files and the recipe's settings."""
@@ -226,8 +195,9 @@ def resume_from(accelerator, resume, tag: str) -> int:
 
 
 def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start: int,
-                meta: dict, loss_fn=lm_loss) -> None:
-    """Steps start..max_steps: accumulate, clip (DeepSpeed clips per its JSON), log, evaluate, checkpoint."""
+                meta: dict, loss_fn=lm_loss, tag: str = "train_clm") -> None:
+    """Steps start..max_steps: accumulate, clip (DeepSpeed clips per its JSON), log, evaluate, checkpoint.
+    Progress: a tqdm bar, or with progress off (logs, the demo) a `[tag] step N/M` line every tenth of the run."""
     import torch
     from tqdm.auto import tqdm
 
@@ -267,6 +237,9 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
                        "tokens_seen": done * plan.tokens_per_step})
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.3f}")
+        if not cfg.progress and accelerator.is_main_process and (done % max(1, cfg.max_steps // 10) == 0 or done == cfg.max_steps):
+            print(f"[{tag}] step {done}/{cfg.max_steps}: loss {step_loss:.3f}, "
+                  f"{plan.tokens_per_step / (time.perf_counter() - t0):,.0f} tokens/s", flush=True)
         fault("step", done, accelerator.process_index)
         if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:
             ev = evaluate(model, accelerator, val_blocks, plan.micro_batch)

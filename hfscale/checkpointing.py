@@ -1,4 +1,7 @@
-"""Activation (gradient) checkpointing for transformers decoders: off, full, or every k-th layer.
+"""Activation (gradient) checkpointing, the one home: parsing `off | full | every:K | auto`, which layers
+a mode checkpoints, and turning it on in a transformers model. The config builders (scale/), the
+planner (plan/) and the recipes (train/) all ask this module, so a strategy that is costed is the
+strategy that runs.
 
 Selective checkpointing keeps the activations of the layers it skips, trading memory back for
 speed. With L layers and checkpoints every k-th layer the saved activations scale like
@@ -11,13 +14,30 @@ from __future__ import annotations
 
 import math
 
-from ..scale.spec import parse_checkpointing
+from .errors import ConfigError
+
+
+def parse_checkpointing(value: str) -> tuple[str, int]:
+    """'off' | 'full' | 'every:K' -> (mode, K). K=1 is the same as full."""
+    if value in ("off", "full"):
+        return value, 1
+    if isinstance(value, str) and value.startswith("every:"):
+        k = value.split(":", 1)[1]
+        if k.isdigit() and int(k) >= 1:
+            return "every", int(k)
+    raise ConfigError(f"gradient checkpointing {value!r} not understood; use off, full or every:K (K >= 1)")
+
+
+def every_n_layers(mode: str) -> int | None:
+    """transformers' `every_n_layers` for a mode (1 = every layer), None when checkpointing is off."""
+    kind, k = parse_checkpointing(mode)
+    return None if kind == "off" else k
 
 
 def resolve(mode: str, num_layers: int) -> str:
     """'auto' -> 'every:K' with K = round(sqrt(L)); other values validated and returned canonical."""
     if mode == "auto":
-        return f"every:{max(1, round(math.sqrt(num_layers)))}"
+        mode = f"every:{max(1, round(math.sqrt(num_layers)))}"
     kind, k = parse_checkpointing(mode)
     if kind == "every" and k == 1:
         return "full"
@@ -25,10 +45,11 @@ def resolve(mode: str, num_layers: int) -> str:
 
 
 def checkpointed_layers(mode: str, num_layers: int) -> list[int]:
+    """Indices of the checkpointed decoder layers: 0, k, 2k, ... (transformers' every_n_layers picks the same)."""
     kind, k = parse_checkpointing(resolve(mode, num_layers))
     if kind == "off":
         return []
-    return list(range(0, num_layers, k))  # layers 0, k, 2k, ... (as hfscale plan counts them)
+    return list(range(0, num_layers, k))
 
 
 def apply_checkpointing_(model, mode: str) -> list[int]:

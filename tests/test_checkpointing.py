@@ -1,0 +1,131 @@
+"""Activation checkpointing has one home (hfscale.checkpointing), and every:K survives leaving hfscale:
+what `hfscale plan --write` picked and costed is what trains, in the recipe, under HF Trainer and in a
+plain accelerate loop, counted layer by layer in real 2-process runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hfscale.checkpointing import checkpointed_layers, every_n_layers, parse_checkpointing, resolve
+from hfscale.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_one_parser_one_layer_choice():
+    assert [parse_checkpointing(m) for m in ("off", "full", "every:3")] == [("off", 1), ("full", 1), ("every", 3)]
+    assert [every_n_layers(m) for m in ("off", "full", "every:3")] == [None, 1, 3]
+    assert resolve("auto", 26) == "every:5" and resolve("auto", 1) == "full"
+    assert checkpointed_layers("every:2", 4) == [0, 2] and checkpointed_layers("auto", 9) == [0, 3, 6]
+    with pytest.raises(ConfigError, match="every:K"):
+        parse_checkpointing("every:0")
+
+
+def test_planner_and_memory_count_the_layers_the_model_checkpoints():
+    """The planner's candidates use auto's K; the memory model saves per layer exactly those layers."""
+    from hfscale.models import load_config
+    from hfscale.plan.dims import dims_from_config
+    from hfscale.plan.planner import Hardware, candidates
+
+    d = dims_from_config(load_config("gemma-3-1b"))  # 26 layers: auto = every:5
+    modes = {r["checkpointing"] for r in candidates(d, Hardware(8, 1, 80 * 10**9), 1024, 8 * 1024)}
+    assert modes == {"off", "every:5", "full"}
+
+
+def test_training_arguments_carry_every_n_layers():
+    from hfscale.scale.runtime import training_arguments_kwargs
+    from hfscale.scale.spec import ScaleSpec
+
+    kw = training_arguments_kwargs(ScaleSpec("x", gradient_checkpointing="every:3"))
+    assert kw["gradient_checkpointing"] is True
+    assert kw["gradient_checkpointing_kwargs"] == {"use_reentrant": False, "every_n_layers": 3}
+    assert "gradient_checkpointing_kwargs" not in training_arguments_kwargs(ScaleSpec("x"))
+
+
+def test_fsdp2_cannot_express_every_k_and_says_so():
+    from hfscale.scale.spec import ScaleSpec
+
+    with pytest.raises(ConfigError, match="cannot be expressed for fsdp2"):
+        ScaleSpec("x", engine="fsdp2", gradient_checkpointing="every:2")
+    ScaleSpec("x", engine="fsdp2", gradient_checkpointing="full")  # all-or-nothing is fine
+
+
+def test_plan_refuses_fsdp2_every_k_on_the_cli(cli, tmp_path):
+    r = cli("config", "fsdp2", "--checkpointing", "every:2", "--out-accelerate", tmp_path, "--out-deepspeed", tmp_path)
+    assert r.returncode == 2 and "cannot be expressed for fsdp2" in r.stderr and "Traceback" not in r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+# --- end to end: plan --write -> 2 processes, three ways ----------------------------------------
+
+SEQ, TOKENS = 128, 2 * 128 * 2 * 2  # micro 1-2 x accum x 2 ranks x 128
+
+
+def _gpu_mem_that_picks_every_2(precision):
+    """A GPU size at which the cheapest fitting strategy for the tiny model checkpoints every 2nd layer."""
+    from hfscale.models import load_config
+    from hfscale.plan.dims import dims_from_config
+    from hfscale.plan.planner import Hardware, candidates, pick
+
+    d = dims_from_config(load_config("tiny-gemma3"))
+    for peak in sorted({r["peak_bytes"] for r in candidates(d, Hardware(2, 1, 10**12), SEQ, TOKENS, precision)}):
+        best = pick(candidates(d, Hardware(2, 1, peak), SEQ, TOKENS, precision))
+        if best and best["checkpointing"] == "every:2" and best["offload"] == "none":
+            return peak, best
+    raise AssertionError("no GPU size makes the planner pick every:2")
+
+
+@pytest.fixture(scope="module")
+def plan_dir(tmp_path_factory):
+    from hfscale.hosts import bf16_support, resolve_precision
+
+    precision = resolve_precision("auto", "bf16", bf16_support("cpu")).precision  # fp32 where bf16 is emulated
+    gpu_mem, best = _gpu_mem_that_picks_every_2(precision)
+    out = tmp_path_factory.mktemp("plan") / "cfg"
+    exe = Path(sys.executable).parent / "hfscale"
+    r = subprocess.run([str(exe), "plan", "--model", "tiny-gemma3", "--seq-len", str(SEQ), "--micro-batch", "1",
+                        "--precision", precision, "--gpus-per-node", "2", "--gpu-mem", f"{gpu_mem}B",
+                        "--global-batch-tokens", str(TOKENS), "--write", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"pick: {best['strategy']}" in r.stdout and "every:2" in best["strategy"]
+    return out, best
+
+
+def test_plan_write_states_every_k_in_each_file(plan_dir):
+    out, best = plan_dir
+    args = yaml.safe_load((out / "training_args.yaml").read_text())
+    assert args["gradient_checkpointing"] is True and args["gradient_checkpointing_kwargs"]["every_n_layers"] == 2
+    recipe = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert recipe["checkpointing"] == "every:2" and recipe["micro_batch"] == best["micro_batch"]
+    ds = json.loads(next(out.glob("*.json")).read_text())
+    assert ds["zero_optimization"]["stage"] == best["zero"]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("way", ["recipe", "trainer", "loop"])
+def test_every_k_trains_as_planned(plan_dir, tmp_path, way):
+    from hfscale.proof import free_port
+
+    out, best = plan_dir
+    yaml_cfg = next(p for p in out.glob("*.yaml") if p.name not in ("training_args.yaml", "recipe.yaml"))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_cfg), "--num_processes", "2",
+           "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
+           str(ROOT / "tests" / "scripts" / "ckpt_probe.py"), way, str(out), str(tmp_path)]
+    log = tmp_path / "launch.log"
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}).returncode
+    assert rc == 0, log.read_text()[-3000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"{way}_rank{rank}.json").read_text())
+        assert r["world"] == 2
+        n = r["micro_batches"]
+        # layers 0 and 2 of 4 run forward twice per micro batch (recomputed in backward), 1 and 3 once
+        assert r["calls_per_layer"] == [2 * n, n, 2 * n, n], (way, r)
