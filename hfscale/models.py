@@ -82,9 +82,22 @@ def load_config(name_or_path: str):
         raise HfscaleError(_not_found(name_or_path, e)) from None
 
 
+# any of these in a model directory means it carries a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def has_tokenizer(name_or_path: str) -> bool:
+    """False only for a local directory without tokenizer files (a built-in or hub name may have one)."""
+    path = Path(name_or_path).expanduser()
+    return name_or_path in BUILTIN or not path.is_dir() or any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
+    if not has_tokenizer(name_or_path):
+        raise HfscaleError(f"{name_or_path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the tokenizer "
+                           "files of the model it came from into it")
     source = str(tokenizer_dir()) if name_or_path in BUILTIN else name_or_path
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
@@ -117,12 +130,29 @@ def load_for_eval(name_or_path: str, dtype=None):
     return build_model(name_or_path, dtype=dtype or torch.float32).eval(), load_tokenizer(name_or_path)
 
 
+def _is_hub_name(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def _not_found(name: str, err: Exception) -> str:
+    """The one line for a model that did not load: what `name` is on disk decides what is said."""
+    path = Path(name).expanduser()
+    choices = f"give a built-in name ({', '.join(known_names())}) or a local transformers directory"
+    if path.is_file():
+        return f"{name} is a file, not a model; {choices}"
+    if path.is_dir() and not (path / "config.json").is_file():
+        return f"{name} is not a transformers model directory (no config.json in it); {choices}"
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return (
-        f"cannot load model {name!r} ({first[:160]}); give a built-in name ({', '.join(known_names())}), "
-        "a local transformers directory, or a hub name with network access"
-    )
+    if not path.exists():
+        hub = f", and the hub did not give it ({first[:160]})" if _is_hub_name(name) else ""
+        return f"model {name!r} not found: no such directory {name}{hub}; {choices}"
+    return f"cannot load model {name!r} ({first[:160]}); {choices}, or a hub name with network access"
 
 
 def save_pretrained_dir(name_or_path: str, out: str | Path, seed: int = 0) -> Path:
