@@ -10,6 +10,9 @@ EPILOG = """examples:
 """
 
 
+EXPORTED = {".gguf": "a GGUF file (llama.cpp)", ".pte": "an ExecuTorch program (.pte)"}
+
+
 def add_parser(sub):
     import argparse
 
@@ -28,11 +31,18 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from ..compress.evaluate import EvalData, evaluate_models, rows_table
+    from ..errors import HfscaleError
     from ..models import load_config
 
     ed = EvalData(args.data, args.validation, args.seq_len, args.blocks, args.batch_size)
     for m in args.models:  # an unknown model fails in one line before any scoring
+        if Path(m).suffix in EXPORTED and Path(m).is_file():
+            raise HfscaleError(f"{m} is {EXPORTED[Path(m).suffix]}: hfscale eval scores transformers directories and "
+                               f"built-in names; an exported file is checked in its runtime when it is written "
+                               f"(perplexity, top-1 vs transformers: {m}.json), or pass the directory it was exported from")
         load_config(m)
     rows = evaluate_models(args.models, ed, progress=not args.json)
     if args.json:

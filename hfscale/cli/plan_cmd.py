@@ -32,13 +32,14 @@ def add_parser(sub):
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (peft, all decoder linears); 0 = full fine-tuning")
     p.add_argument("--base-bits", type=int, default=16, choices=[16, 4], help="4 = QLoRA (NF4 base)")
     p.add_argument("--inference", action="store_true", help="also predict serving memory: weights at --quant + KV cache")
-    p.add_argument("--quant", default="bf16", choices=["bf16", "int8", "int4"])
-    p.add_argument("--batch", type=int, default=1, help="inference batch")
+    p.add_argument("--quant", choices=["bf16", "int8", "int4"], help="inference weights (default: bf16)")
+    p.add_argument("--batch", type=int, help="inference batch (default: 1)")
     p.add_argument("--context", type=int, help="inference context tokens (default: --seq-len)")
     p.add_argument("--gpus-per-node", type=int)
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpu-mem", default="80GB")
-    p.add_argument("--cpu-mem", default="512GB")
+    # hardware: with --gpus-per-node, strategies are ranked for it; the other hardware flags need it
+    p.add_argument("--nodes", type=int, help="nodes (default: 1)")
+    p.add_argument("--gpu-mem", help="memory per GPU (default: 80GB)")
+    p.add_argument("--cpu-mem", help="CPU memory per node, for offload (default: 512GB)")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: micro x seq x dp)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", help="write stacked memory bars per strategy to this PNG (missing parent directories are created)")
@@ -46,6 +47,18 @@ def add_parser(sub):
                    "directory (created if missing)")
     p.add_argument("--force", action="store_true", help="overwrite existing --plot / --write outputs")
     p.set_defaults(run=run)
+
+
+def _refuse_ignored_flags(args) -> None:
+    # a flag that would be ignored is refused: hardware without --gpus-per-node, serving without --inference
+    from ..errors import HfscaleError
+
+    for needs, flags in (("--gpus-per-node", ("nodes", "gpu_mem", "cpu_mem", "global_batch_tokens")),
+                         ("--inference", ("quant", "batch", "context"))):
+        if getattr(args, needs[2:].replace("-", "_")) in (None, False):
+            given = [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f) is not None]
+            if given:
+                raise HfscaleError(f"{given[0]} is only used with {needs} (it would be ignored); add {needs} or drop {given[0]}")
 
 
 def _gb(n: int) -> str:
@@ -62,14 +75,16 @@ def run(args) -> int:
     from ..plan.memory import Strategy, predict
     from ..plan.planner import Hardware, candidates, parse_size, pick, shortfall
 
+    _refuse_ignored_flags(args)
     hw = None
     if args.gpus_per_node is not None:
-        hw = Hardware(args.gpus_per_node, args.nodes, parse_size(args.gpu_mem), parse_size(args.cpu_mem))
+        hw = Hardware(args.gpus_per_node, 1 if args.nodes is None else args.nodes,
+                      parse_size(args.gpu_mem or "80GB"), parse_size(args.cpu_mem or "512GB"))
     if (args.write or args.plot) and hw is None:
         raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
     check_writable({args.write: "--write", args.plot: "--plot"}, args.force, inputs={args.model: "--model"})
     d = dims_from_config(load_config(args.model))
-    dp = args.dp or (hw.world if hw else 1)
+    dp = args.dp if args.dp is not None else (hw.world if hw else 1)  # --dp 0 is refused, not made 1
     s = Strategy(zero=args.zero, dp=dp, precision=args.precision, optimizer=args.optimizer, offload=args.offload,
                  checkpointing=args.checkpointing, micro_batch=args.micro_batch, seq_len=args.seq_len,
                  attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits)
@@ -77,6 +92,9 @@ def run(args) -> int:
     if args.inference:
         from ..plan.memory import inference_bytes
 
+        args.quant, args.batch = args.quant or "bf16", 1 if args.batch is None else args.batch
+        if args.batch < 1 or (args.context is not None and args.context < 1):
+            raise HfscaleError(f"--batch and --context must be at least 1 (got {args.batch}, {args.context})")
         out["inference"] = inference_bytes(d, args.quant, args.batch, args.context or args.seq_len)
     rows = best = None
     if hw:

@@ -7,6 +7,7 @@ never disagree. Every check raises `ConfigError` with the fix in the message.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Literal, Union
@@ -143,8 +144,10 @@ class ScaleSpec:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r}); bf16 and fp16 are exclusive")
         _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps, allow_auto=True)
-        if isinstance(self.gradient_clipping, bool) or not isinstance(self.gradient_clipping, (int, float)) or self.gradient_clipping < 0:
-            raise ConfigError(f"gradient_clipping must be a number >= 0, 0 meaning off (got {self.gradient_clipping!r})")
+        clip = self.gradient_clipping
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+            # NaN / inf would be written as NaN / Infinity: not JSON, and every update NaN
+            raise ConfigError(f"gradient_clipping must be a finite number >= 0, 0 meaning off (got {clip!r})")
         if parse_checkpointing(self.gradient_checkpointing)[1] > 1 and self.engine == "fsdp2":
             raise ConfigError(
                 f"gradient checkpointing {self.gradient_checkpointing} cannot be expressed for fsdp2: accelerate's "

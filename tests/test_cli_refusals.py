@@ -1,0 +1,119 @@
+"""Issue 16, items 4-5: invalid output is refused instead of written with exit 0, flags that contradict
+each other (or would be ignored) are refused instead of dropped, and a model argument that is not a
+model is named for what it is. Every case: the documented exit code, one line on stderr, no traceback,
+nothing written."""
+
+import json
+import shutil
+
+import pytest
+
+# third-party import noise on stderr (torchao's optional CUDA kernels, torch's pytree deprecation,
+# DeepSpeed's accelerator line): not hfscale's error line (issue 16's "quiet by default" item)
+NOISE = ("Failed to load", "W1", "W0", "[20", "Loading weights", "Writing model")
+
+
+def _one_line(r, code=2):
+    assert r.returncode == code, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip() and not ln.lstrip().startswith(NOISE)]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def _files(d):
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+PLAN = ["plan", "--model", "tiny-gemma3", "--seq-len", "128", "--micro-batch", "1"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    # non-finite numbers never reach a DeepSpeed JSON (json.dumps would write NaN / Infinity)
+    (["config", "zero2", "--clip", "nan"], "finite"),
+    (["config", "zero2", "--clip", "inf"], "finite"),
+    (["config", "--spec", "{spec_nan}"], "finite"),
+    # an engine and a ZeRO stage that contradict it
+    (["config", "--engine", "ddp", "--zero", "3"], "--zero 3 is a DeepSpeed ZeRO stage but the engine is ddp"),
+    (["config", "fsdp2", "--zero", "2"], "the engine is fsdp2"),
+    (["config", "zero3", "--engine", "ddp"], "would drop its ZeRO settings"),
+    # a data-parallel size of 0 is refused, not turned into 1
+    (PLAN + ["--dp", "0"], "--dp"),
+    (PLAN + ["--gpus-per-node", "8", "--dp", "0"], "--dp"),
+    (PLAN + ["--gpus-per-node", "8", "--nodes", "0"], "--nodes"),
+    # hardware or serving flags that would be ignored
+    (PLAN + ["--gpu-mem", "80GB"], "--gpu-mem is only used with --gpus-per-node"),
+    (PLAN + ["--nodes", "2", "--plot", "{out}/p.png"], "--nodes is only used with --gpus-per-node"),
+    (PLAN + ["--global-batch-tokens", "4096"], "--global-batch-tokens is only used with --gpus-per-node"),
+    (PLAN + ["--quant", "int4"], "--quant is only used with --inference"),
+    (PLAN + ["--inference", "--batch", "0"], "--batch"),
+    # sizes that are numbers but not finite
+    (PLAN + ["--gpus-per-node", "8", "--gpu-mem", "nanGB"], "cannot read size 'nanGB'"),
+    (PLAN + ["--gpus-per-node", "8", "--gpu-mem", "infGB"], "cannot read size 'infGB'"),
+])
+def test_refused_in_one_line_and_nothing_written(args, needle, tmp_path, cli):
+    (tmp_path / "spec.yaml").write_text("name: s\ngradient_clipping: .nan\n")
+    out = tmp_path / "out"
+    args = [a.format(spec_nan=tmp_path / "spec.yaml", out=out) for a in args]
+    extra = ["--out-accelerate", out, "--out-deepspeed", out] if args[0] == "config" else []
+    line = _one_line(cli(*args, *extra, cwd=tmp_path))
+    assert needle in line, line
+    assert _files(tmp_path) == ["spec.yaml"]
+
+
+def test_what_was_refused_still_works_when_consistent(tmp_path, cli):
+    r = cli(*PLAN, "--gpus-per-node", "2", "--nodes", "1", "--gpu-mem", "1GB", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["strategy"].endswith("mb1")
+    r = cli("config", "ddp", "--engine", "deepspeed", "--print")  # ddp has no ZeRO settings to drop
+    assert r.returncode == 0 and '"stage": 2' in r.stdout
+
+
+# --- misleading messages ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from conftest import run_cli
+
+    d = tmp_path_factory.mktemp("tiny") / "m"
+    assert run_cli("tiny", "--out", d).returncode == 0
+    return d
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["quantize", "runs/tiny/model", "--scheme", "int8wo", "--out", "q"], "not found: no such directory runs/tiny/model"),
+    (["quantize", "./nope", "--scheme", "int8wo", "--out", "q"], "not found: no such directory ./nope"),
+    (["eval", "runs/nope"], "not found: no such directory runs/nope"),
+    (["plan", "--model", "/no/such/dir", "--seq-len", "8", "--micro-batch", "1"], "not found: no such directory /no/such/dir"),
+    (["eval", "m.gguf"], "m.gguf is a GGUF file (llama.cpp): hfscale eval scores transformers directories"),
+    (["quantize", "m.gguf", "--scheme", "int8wo", "--out", "q"], "m.gguf is a file, not a model"),
+    (["quantize", "empty_dir", "--scheme", "int8wo", "--out", "q"], "no config.json in it"),
+])
+def test_a_model_argument_is_named_for_what_it_is(args, needle, tmp_path, cli):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "empty_dir").mkdir()
+    before = _files(tmp_path)
+    line = _one_line(cli(*args, cwd=tmp_path))
+    assert needle in line and "Repo id" not in line and "invalid JSON" not in line, line
+    assert _files(tmp_path) == before
+
+
+def test_weight_only_ptq_needs_no_tokenizer(tiny_dir, tmp_path, cli):
+    src = tmp_path / "no_tokenizer"
+    src.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_dir / f, src / f)
+    out = tmp_path / "q"
+    r = cli("quantize", src, "--scheme", "int8wo", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "max |dlogit| vs the in-memory model 0.00e+00" in r.stdout
+    assert not any(p.name.startswith("tokenizer") for p in out.iterdir())  # none to copy
+    # with a tokenizer beside the weights it is copied
+    out2 = tmp_path / "q2"
+    assert cli("quantize", tiny_dir, "--scheme", "int8wo", "--out", out2).returncode == 0
+    assert (out2 / "tokenizer.json").is_file()
+    # calibration data is tokenized: then the missing files are named, and nothing is written
+    line = _one_line(cli("quantize", src, "--scheme", "gptq-int4wo", "--calibration", "builtin", "--out", tmp_path / "g"))
+    assert "no_tokenizer has no tokenizer (none of tokenizer.json, tokenizer.model, tokenizer_config.json)" in line
+    assert not (tmp_path / "g").exists()
