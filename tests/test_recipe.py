@@ -211,12 +211,14 @@ def test_resume_from_a_different_model_refused(one_process_run, tmp_path):
 
 # --- real launches: 2 processes ----------------------------------------------------------------------
 
-def launch(config: str, out: Path, *args, env=None, check=True):
+def launch(config: str, out: Path, *args, env=None, check=True, fault=None):
+    """The recipe on 2 processes; fault="kill@step:5:1" runs it through tests/scripts/faulty_recipe.py."""
     from hfscale.proof import free_port
 
+    script = [str(ROOT / "tests" / "scripts" / "faulty_recipe.py"), fault, str(RECIPE)] if fault else [str(RECIPE)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
            "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
-           str(RECIPE), "--config", str(TINY_YAML), "--output-dir", str(out), *FAST, *map(str, args)]
+           *script, "--config", str(TINY_YAML), "--output-dir", str(out), *FAST, *map(str, args)]
     log = out.parent / f"{out.name}.log"
     with open(log, "a") as f:  # a file, not a pipe: a full pipe can stall a multi-process launch
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900,
@@ -284,7 +286,7 @@ def assert_same_trajectory(resumed: dict, reference: dict):
 def test_resume_after_kill_9_of_one_rank(tmp_path, uninterrupted):
     out = tmp_path / "run"
     rc, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2",
-                     env={"HFSCALE_FAULT": "kill@step:5:1"}, check=False)  # SIGKILL rank 1 after step 5
+                     fault="kill@step:5:1", check=False)  # SIGKILL rank 1 after step 5
     assert rc != 0
     assert max(read_records(out / "metrics.jsonl")) in (5, 6)  # rank 0 may log one more step before it notices
     assert [p.name for p in sorted((out / "checkpoints").iterdir()) if not p.name.startswith(STAGE_PREFIX)] == \
@@ -298,7 +300,7 @@ def test_resume_after_kill_9_of_one_rank(tmp_path, uninterrupted):
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
     out = tmp_path / "run"
     rc, _ = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2",
-                   env={"HFSCALE_FAULT": "kill@save:6:1"}, check=False)  # rank 1 dies after writing its shard
+                   fault="kill@save:6:1", check=False)  # rank 1 dies after writing its shard
     assert rc != 0
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names[1:] == ["step_00000002", "step_00000004"]  # and the interrupted save, under a stage name:
