@@ -20,7 +20,7 @@ def tokenizer_dir() -> Path:
 
 
 def tiny_config():
-    """A ~3.2M-parameter Gemma 3 text model that keeps the architecture's features:
+    """A 3,001,920-parameter Gemma 3 text model that keeps the architecture's features:
     GQA (4 query / 2 key-value heads), local sliding-window layers mixed with a global one
     (Gemma's 5:1 pattern, shortened to 3:1), q/k norms, tied embeddings, GeGLU MLP."""
     from transformers import Gemma3TextConfig

@@ -118,7 +118,7 @@ def verify_pte(path: Path, eager_same, eager_fp32, tokenizer, es: E.EvalSet, n_g
         got = rt.logits(p)
         same.append(E.compare(E.eager_logits(eager_same, p), got))
         fp32.append(E.compare(E.eager_logits(eager_fp32, p), got))
-    per_token = sorted(rt.step_seconds)[len(rt.step_seconds) // 2]
+    per_token, timed = sorted(rt.step_seconds)[len(rt.step_seconds) // 2], len(rt.step_seconds)
     nll = nll_ref = 0.0
     n = 0
     for b in tqdm(E.ppl_blocks(tokenizer, es).tolist(), desc="executorch perplexity", disable=not progress):
@@ -133,4 +133,4 @@ def verify_pte(path: Path, eager_same, eager_fp32, tokenizer, es: E.EvalSet, n_g
             "perplexity_transformers_fp32": E.ppl(nll_ref, n), "perplexity_tokens": n,
             "greedy": {"prompt_tokens": len(prompt), "generated": n_generate, "pte": gen_pte, "eager": gen_eager,
                        "identical": gen_pte == gen_eager},
-            "median_seconds_per_token": per_token}
+            "median_seconds_per_token": per_token, "timed_decode_steps": timed}
