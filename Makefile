@@ -39,7 +39,7 @@ demo: install
 	$(VENV)/bin/hfscale demo
 
 test: install
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not engine"
