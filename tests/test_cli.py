@@ -84,3 +84,14 @@ def test_help_has_examples(cli):
     r = cli("config", "--help")
     assert r.returncode == 0 and "examples:" in r.stdout and "hfscale config zero3" in r.stdout
     assert "examples:" in cli("--help").stdout
+
+
+def test_quiet_by_default_verbose_shows_third_party_notices(cli, root):
+    """hfscale/quiet.py's known noise is gone from stderr by default and back with --verbose; the command's
+    own output is the same either way."""
+    quiet = cli("doctor", "--deepspeed", root / "ds_configs" / "zero2.json", cwd=root)
+    loud = cli("doctor", "--deepspeed", root / "ds_configs" / "zero2.json", "--verbose", cwd=root)
+    assert quiet.returncode == loud.returncode == 0 and quiet.stdout == loud.stdout
+    for noise in ("Setting accelerator to CPU", "Failed to load", "register_constant"):
+        assert noise not in quiet.stderr
+    assert "Setting accelerator to CPU" in loud.stderr  # DeepSpeed says it on every CPU-only host

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  hfscale config zero3 --num-processes 16 --out-accelerate my_cfgs --out-deepspeed my_cfgs\n"
         "  hfscale prove --config accelerate_configs/zero3.yaml --num-processes 2\n  hfscale demo",
     )
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show third-party notices hfscale hides by default (hfscale/quiet.py lists them); "
+                        "accepted anywhere on the command line")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for name in SUBCOMMANDS:
         importlib.import_module(f".{name}_cmd", __name__).add_parser(sub)
@@ -34,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --verbose, anywhere on the line, is read before any library is imported, so import-time noise is caught too
+    if "--verbose" in argv:
+        argv = [a for a in argv if a != "--verbose"]
+    else:
+        from ..quiet import quiet_known_noise
+
+        quiet_known_noise()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
