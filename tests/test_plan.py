@@ -309,11 +309,11 @@ def test_nothing_fits_says_by_how_much(cli):
 
 
 @pytest.mark.parametrize("args, fix", [
-    (["--model", "no-such-model"], "gemma-3-27b"),
+    (["--model", "no-such-model", "--gpus-per-node", "8"], "gemma-3-27b"),
     (["--model", "gemma-3-1b", "--gpus-per-node", "0"], "at least 1"),
     (["--model", "gemma-3-1b", "--gpus-per-node", "8", "--gpu-mem=-80GB"], "positive"),
     (["--model", "gemma-3-1b", "--gpus-per-node", "8", "--gpu-mem", "lots"], "80GB"),
-    (["--model", "gemma-3-1b", "--micro-batch", "0"], "positive"),
+    (["--model", "gemma-3-1b", "--micro-batch", "0", "--gpus-per-node", "8"], "positive"),
 ])
 def test_bad_input_exit_2(args, fix, cli, tmp_path):
     full = ["plan", "--seq-len", "1024", *(["--micro-batch", "1"] if "--micro-batch" not in args else []), *args, "--write", tmp_path / "w"]

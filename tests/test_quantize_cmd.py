@@ -47,8 +47,9 @@ def test_quantize_then_eval(cli, trained, tmp_path):
     rows = json.loads(r.stdout)["rows"]
     assert rows[0]["top1_vs_reference"] == 1.0 and rows[0]["quantization"] == "none"
     assert 0.9 < rows[1]["top1_vs_reference"] < 1.0
-    # 4-bit linears cost a little perplexity, not much: within 2% on the trained tiny model
-    assert rows[0]["perplexity"] < rows[1]["perplexity"] < 1.02 * rows[0]["perplexity"]
+    # 4-bit linears move perplexity a little, not much: within 2% on the trained tiny model (measured on an
+    # AMX host: 213.19 PTQ vs 213.24 float, rounding noise can land either side)
+    assert abs(rows[1]["perplexity"] / rows[0]["perplexity"] - 1) < 0.02
     assert rows[1]["bytes"] < 0.5 * rows[0]["bytes"]
     assert math.isclose(math.exp(rows[0]["nll"]), rows[0]["perplexity"], rel_tol=1e-9)
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..errors import ConfigError
 from ..scale.load import load_spec
 from ..scale.presets import PRESETS
-from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, Launch, ScaleSpec, Zero
+from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, ZERO_STAGES, Launch, ScaleSpec, Zero
 
 EXAMPLES = """examples:
   hfscale config zero3                                   # accelerate_configs/zero3.yaml + ds_configs/zero3.json
@@ -34,7 +34,7 @@ def add_parser(sub):
     p.add_argument("--spec", help="a YAML/JSON ScaleSpec file (keys: name, engine, zero, precision, launch, ...)")
     p.add_argument("--name", help="file name stem of the written config (default: the preset's)")
     p.add_argument("--engine", choices=ENGINES)
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (DeepSpeed)")
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, help="ZeRO stage (DeepSpeed)")
     p.add_argument("--offload-optimizer", choices=DEVICES)
     p.add_argument("--offload-params", choices=DEVICES)
     p.add_argument("--nvme-path", help="directory for NVMe offload swap files")

@@ -15,6 +15,9 @@ EPILOG = """examples:
 def add_parser(sub):
     import argparse
 
+    from ..plan.memory import OPTIMIZER_STATE_BYTES, QUANT_BYTES_PER_PARAM
+    from ..scale.spec import DEVICES, ZERO_STAGES
+
     p = sub.add_parser("plan", help="predict training memory and pick the cheapest strategy that fits",
                        description="Predict per-GPU memory (weights, gradients, optimizer, activations) from a model's "
                        "config alone, and with hardware given, rank strategies and pick the cheapest that fits.",
@@ -23,16 +26,16 @@ def add_parser(sub):
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--micro-batch", type=int, required=True)
     p.add_argument("--checkpointing", default="off", help="off | full | every:K")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
-    p.add_argument("--offload", default="none", choices=["none", "cpu", "nvme"])
+    p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES)
+    p.add_argument("--offload", default="none", choices=DEVICES)
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all GPUs given, else 1)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "sgd"])
+    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATE_BYTES))
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa/flash (default) or eager")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (peft, all decoder linears); 0 = full fine-tuning")
     p.add_argument("--base-bits", type=int, default=16, choices=[16, 4], help="4 = QLoRA (NF4 base)")
     p.add_argument("--inference", action="store_true", help="also predict serving memory: weights at --quant + KV cache")
-    p.add_argument("--quant", choices=["bf16", "int8", "int4"], help="inference weights (default: bf16)")
+    p.add_argument("--quant", choices=list(QUANT_BYTES_PER_PARAM), help="inference weights (default: bf16)")
     p.add_argument("--batch", type=int, help="inference batch (default: 1)")
     p.add_argument("--context", type=int, help="inference context tokens (default: --seq-len)")
     p.add_argument("--gpus-per-node", type=int)

@@ -22,6 +22,7 @@ def add_parser(sub):
     import argparse
 
     from ..compress.schemes import PTQ_SCHEMES
+    from ..export import FORMATS
 
     p = sub.add_parser("quantize", help="post-training quantization to a transformers dir, GGUF or .pte",
                        description="Quantize a model (built-in name, local dir, hub name when online) and write an "
@@ -31,7 +32,7 @@ def add_parser(sub):
     p.add_argument("model", nargs="?", help="built-in name (tiny-gemma3), transformers directory, or hub name")
     p.add_argument("--out", help="output directory (transformers) or file (.gguf, .pte); missing parent directories "
                    "are created; never the MODEL itself, inside it or around it")
-    p.add_argument("--format", default="transformers", choices=["transformers", "gguf", "pte"])
+    p.add_argument("--format", default="transformers", choices=["transformers", *FORMATS])
     p.add_argument("--scheme", choices=PTQ_SCHEMES, help="transformers format: quantization scheme (see --list)")
     p.add_argument("--group-size", type=int, default=32, help="input columns per scale; 0 = per-channel")
     p.add_argument("--mapping", choices=["symmetric", "asymmetric"], help="default: the scheme's first")

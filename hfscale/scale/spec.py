@@ -22,6 +22,7 @@ Auto = Literal["auto"]
 
 ENGINES = ("ddp", "deepspeed", "fsdp2")
 DEVICES = ("none", "cpu", "nvme")
+ZERO_STAGES = (0, 1, 2, 3)
 PRECISIONS = ("bf16", "fp16", "fp32")
 RDZV_BACKENDS = ("static", "c10d")
 
@@ -64,7 +65,7 @@ class Zero:
     contiguous_gradients: bool = True
 
     def __post_init__(self):
-        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+        if self.stage not in ZERO_STAGES or isinstance(self.stage, bool):
             raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3 (got {self.stage!r})")
         for name in ("offload_optimizer", "offload_params"):
             if getattr(self, name) not in DEVICES:
@@ -182,4 +183,3 @@ def check_nvme_path(spec: ScaleSpec) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
         raise ConfigError(f"NVMe path {path} cannot be created or written here ({probe} is not a writable directory); pass another --nvme-path")
-
