@@ -125,6 +125,7 @@ def run_doctor(cfg, plan, launch, precision, support, source: str | None) -> Non
 def start_run(cfg, force: bool, pre: Preflight, tag: str):
     """Accelerator (right on CPU hosts too) in the precision chosen, a clean OUTPUT_DIR on the main rank,
     the batch arithmetic and (if it differs from the launch config) the precision said in one line."""
+    from ..atomic import write_text_atomic
     from ..scale.runtime import make_accelerator
 
     plan, ckpts, resume, choice = pre.plan, pre.ckpts, pre.resume, pre.precision
@@ -137,7 +138,7 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
                 shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
         gone = ckpts.clean_partial()
         out.mkdir(parents=True, exist_ok=True)
-        (out / "recipe.json").write_text(json.dumps({k: v for k, v in vars(cfg).items() if k != "extra"}, indent=1))
+        write_text_atomic(out / "recipe.json", json.dumps({k: v for k, v in vars(cfg).items() if k != "extra"}, indent=1))
         print(f"[{tag}] {accelerator.distributed_type} world {accelerator.num_processes}: {plan.arithmetic()}, "
               f"{choice.precision}")
         if choice.note:
