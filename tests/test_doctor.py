@@ -143,8 +143,12 @@ def test_cli_exit_codes_and_json(tmp_path, cli):
     found = json.loads(r.stdout)
     assert {"string-number", "bf16-and-fp16"} <= {f["code"] for f in found}
     assert all(set(f) == {"code", "severity", "where", "what", "fix"} for f in found)
-    r = cli("doctor", "--accelerate", ROOT / "accelerate_configs" / "zero3.yaml", cwd=ROOT)
+    # a shipped bf16 config is clean where bf16 is native, and only warned about (exit 0) on a CPU that emulates it
+    zero3 = ROOT / "accelerate_configs" / "zero3.yaml"
+    r = cli("doctor", "--accelerate", zero3, cwd=ROOT, env={"HFSCALE_NATIVE_BF16": "1"})
     assert r.returncode == 0 and "no problems found" in r.stdout
+    r = cli("doctor", "--accelerate", zero3, "--json", cwd=ROOT, env={"HFSCALE_NATIVE_BF16": "0"})
+    assert r.returncode == 0 and [(f["code"], f["severity"]) for f in json.loads(r.stdout)] == [("bf16-emulated-cpu", "warning")]
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     r = cli("doctor", "--deepspeed", broken)

@@ -58,6 +58,15 @@ elif way == "trainer":
     # the written training_args.yaml as it is, plus what a CPU host needs (FACTS.md: use_cpu, gloo)
     args = TrainingArguments(output_dir=str(out / "trainer"), max_steps=steps, report_to=[], save_strategy="no",
                              dataloader_drop_last=True, use_cpu=True, ddp_backend="gloo", **args_yaml)
+    # on CPU, ZeRO-3's zero.Init inside from_config asks deepspeed.comm (not torch.distributed) for the world size,
+    # and deepspeed.comm is only set up by deepspeed.init_distributed: without it DeepSpeed 0.19 counts 1 process
+    # ("train_batch_size 8 != 1 * 4 * 1"); on GPUs accelerate's state calls it. Harmless for ZeRO-1/2.
+    if args_yaml.get("deepspeed"):
+        import deepspeed
+
+        assert args.device.type == "cpu"
+        deepspeed.init_distributed(dist_backend="gloo")
+        assert deepspeed.comm.get_world_size() == 2
     Trainer(model=build_model("tiny-gemma3"), args=args, train_dataset=Blocks()).train()
 else:  # a plain accelerate loop, checkpointing the way the plan's recipe.yaml says
     from hfscale.checkpointing import apply_checkpointing_
