@@ -56,10 +56,14 @@ def _read_one(path: str, builder: str | None = None):
         ds = datasets.load_dataset(builder, data_files={"train": str(path)})["train"]
     except Exception as e:  # pyarrow / datasets raise many types for a malformed file
         cause = e.__cause__ or e
-        raise HfscaleError(f"cannot read {path} as {builder} ({str(cause).splitlines()[0][:160]}); "
+        why = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__  # e.g. an empty file
+        raise HfscaleError(f"cannot read {path} as {builder} ({why}); "
                            "check the file's format matches its extension") from None
     if "text" not in ds.column_names:
         raise HfscaleError(f"{path} has no 'text' column (columns: {ds.column_names})")
+    kind = getattr(ds.features["text"], "dtype", type(ds.features["text"]).__name__)
+    if kind not in ("string", "large_string"):
+        raise HfscaleError(f"{path}: its 'text' column holds {kind}, not strings; give each record a \"text\": \"...\" string")
     return ds
 
 

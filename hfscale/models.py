@@ -74,12 +74,16 @@ def load_config(name_or_path: str):
 
         data = json.loads(dims[name_or_path].read_text())
         return AutoConfig.for_model(data.get("model_type", "gemma3_text"), **{k: v for k, v in data.items() if k not in ("model_type", "architectures")})
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise HfscaleError(_not_found(name_or_path, e)) from None
+    except StrictDataclassError as e:  # transformers checks field types: {"num_hidden_layers": "x"}
+        detail = " ".join(ln.strip() for ln in str(e).strip().splitlines()[-1:])
+        raise HfscaleError(f"model config {name_or_path} is invalid: {detail[:200]}; fix that field") from None
 
 
 # any of these in a model directory means it carries a tokenizer

@@ -20,6 +20,25 @@ def run_cli(*args, cwd=None, timeout=600, env=None):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
+def snapshot(root: Path) -> dict[str, str]:
+    """Every entry under root (hidden ones too, symlinks not followed) -> sha256 of a file, 'dir', or a
+    link's target: compare two snapshots to see what a command created, changed or removed."""
+    import hashlib
+
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = "-> " + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return dict(sorted(out.items()))
+
+
 @pytest.fixture
 def cli():
     return run_cli

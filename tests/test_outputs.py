@@ -8,7 +8,6 @@ SIGKILL of itself, so production code reads no environment for it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -19,25 +18,12 @@ from pathlib import Path
 import pytest
 
 from hfscale.atomic import STAGE_PREFIX, _start_ticks, check_writable, clean_stale, stage_name, staged
+from conftest import snapshot
 from hfscale.errors import HfscaleError
 
 WRITERS = Path(__file__).parent / "scripts" / "writers.py"
 PLAN = ["plan", "--model", "tiny-gemma3", "--seq-len", "128", "--micro-batch", "1", "--gpus-per-node", "1",
         "--gpu-mem", "8GB"]
-
-
-def snapshot(root: Path) -> dict:
-    """Every entry under root (hidden ones too) -> sha256 of a file, 'dir', or a link's target."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_symlink():
-            out[rel] = "-> " + os.readlink(p)
-        elif p.is_dir():
-            out[rel] = "dir"
-        else:
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
 
 
 def stages(root: Path) -> list[Path]:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hfscale.errors import ConfigError
-from hfscale.scale.accelerate import to_accelerate
+from hfscale.scale.accelerate import render_yaml, to_accelerate
 from hfscale.scale.deepspeed import to_deepspeed
 from hfscale.scale.load import load_spec, spec_from_dict, spec_to_dict
 from hfscale.scale.presets import PRESETS
@@ -91,6 +91,21 @@ def test_accelerate_yaml_never_duplicates_deepspeed_keys():
             assert set(cfg["deepspeed_config"]) <= {"deepspeed_config_file", "zero3_init_flag", "deepspeed_multinode_launcher"}
             assert "mixed_precision" not in cfg and "gradient_accumulation_steps" not in cfg
             assert cfg["deepspeed_config"]["zero3_init_flag"] == (spec.zero.stage == 3)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "deepspeed"])
+def test_explicit_accumulation_yaml_loads_in_accelerate(engine, tmp_path):
+    # accelerate's loader refuses a top-level gradient_accumulation_steps (found by tests/test_fuzz_cli.py)
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    spec = ScaleSpec("ga", engine=engine, gradient_accumulation_steps=4, **({"zero": Zero(stage=2)} if engine == "deepspeed" else {}))
+    p = tmp_path / "ga.yaml"
+    p.write_text(render_yaml(spec, str(p), "ds.json" if engine == "deepspeed" else None))
+    cfg = load_config_from_file(str(p))
+    assert cfg.num_processes == spec.launch.num_processes
+    assert ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4" in p.read_text()) == (engine != "deepspeed")
+    if engine == "deepspeed":
+        assert to_deepspeed(spec)["gradient_accumulation_steps"] == 4
 
 
 def test_multinode_fields():

@@ -12,7 +12,7 @@ def add_parser(sub):
         epilog="example:\n  hfscale tiny --out tiny_model && python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('tiny_model')\"",
     )
     p.add_argument("--out", required=True, help="directory to write (missing parent directories are created)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="0 <= seed < 2**63 (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(run=run)
 
@@ -21,7 +21,11 @@ def run(args) -> int:
     from pathlib import Path
 
     from ..atomic import check_writable, staged
+    from ..errors import HfscaleError
     from ..models import TINY, save_pretrained_dir
+
+    if not 0 <= args.seed < 2**63:  # torch.manual_seed takes a 64-bit integer
+        raise HfscaleError(f"--seed {args.seed} is out of range; give an integer from 0 to {2**63 - 1}")
 
     out = Path(args.out)
     check_writable({out: "--out"}, args.force)

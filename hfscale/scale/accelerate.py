@@ -67,10 +67,8 @@ def to_accelerate(spec: ScaleSpec, deepspeed_config_file: str | None = None) -> 
             "fsdp_state_dict_type": "FULL_STATE_DICT",  # a consolidated save that from_pretrained loads
             "fsdp_activation_checkpointing": mode == "full",
         }
-        if spec.gradient_accumulation_steps != "auto":
-            cfg["gradient_accumulation_steps"] = spec.gradient_accumulation_steps
-    elif spec.gradient_accumulation_steps != "auto":
-        cfg["gradient_accumulation_steps"] = spec.gradient_accumulation_steps
+    # accelerate's config file has no accumulation key (its loader refuses unknown keys): DeepSpeed's comes
+    # from the JSON; for DDP / FSDP2 render_yaml states it in a comment and the training code passes it
     return cfg
 
 
@@ -89,6 +87,11 @@ def render_yaml(spec: ScaleSpec, yaml_path: str, deepspeed_config_file: str | No
         f"# Prove it on this host first: hfscale prove --config {yaml_path} --num-processes 2"
         + (f" --num-machines {spec.launch.num_machines}" if spec.launch.num_machines > 1 else ""),
     ]
+    if spec.engine != "deepspeed" and spec.gradient_accumulation_steps != "auto":
+        n = spec.gradient_accumulation_steps
+        header.append(f"# Gradient accumulation {n}: accelerate's config file has no key for it; pass Accelerator("
+                      f"gradient_accumulation_steps={n}) / TrainingArguments(gradient_accumulation_steps={n}), or export "
+                      f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={n}")
     if spec.launch.num_machines > 1:
         header.append("# Run the same command on every machine; MACHINE_RANK is 0..num_machines-1, MAIN_ADDR is rank 0's address.")
     body = yaml.safe_dump(to_accelerate(spec, deepspeed_config_file), sort_keys=False)

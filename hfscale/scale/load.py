@@ -46,8 +46,9 @@ def load_spec(path: str | Path) -> ScaleSpec:
         raise HfscaleError(f"cannot read {path}: {e.strerror if isinstance(e, OSError) else e}") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise HfscaleError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {str(e).splitlines()[0]}") from None
+    except (json.JSONDecodeError, yaml.YAMLError, RecursionError, ValueError) as e:  # RecursionError: nested too deep
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise HfscaleError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {msg}; fix its syntax") from None
     return spec_from_dict(data)
 
 
