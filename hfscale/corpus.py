@@ -10,7 +10,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from .errors import HfscaleError
+from .errors import HfscaleError, first_line
 
 BUILTIN_CORPUS = "builtin"
 
@@ -56,8 +56,7 @@ def _read_one(path: str, builder: str | None = None):
         ds = datasets.load_dataset(builder, data_files={"train": str(path)})["train"]
     except Exception as e:  # pyarrow / datasets raise many types for a malformed file
         cause = e.__cause__ or e
-        why = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__  # e.g. an empty file
-        raise HfscaleError(f"cannot read {path} as {builder} ({why}); "
+        raise HfscaleError(f"cannot read {path} as {builder} ({first_line(cause, 160)}); "
                            "check the file's format matches its extension") from None
     if "text" not in ds.column_names:
         raise HfscaleError(f"{path} has no 'text' column (columns: {ds.column_names})")
@@ -84,7 +83,7 @@ def _load_hub(name: str):
     try:
         ds = datasets.load_dataset(name)
     except Exception as e:  # hub errors come in many types; the user needs the first line
-        raise HfscaleError(f"cannot load dataset {name} from the hub ({str(e).splitlines()[0][:160]})") from None
+        raise HfscaleError(f"cannot load dataset {name} from the hub ({first_line(e, 160)})") from None
     if "text" not in ds["train"].column_names:
         raise HfscaleError(f"{name} has no 'text' column (columns: {ds['train'].column_names})")
     if "validation" not in ds:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from .errors import HfscaleError
+from .errors import HfscaleError, first_line
 
 TINY = "tiny-gemma3"
 
@@ -152,7 +152,7 @@ def _not_found(name: str, err: Exception) -> str:
         return f"{name} is a file, not a model; {choices}"
     if path.is_dir() and not (path / "config.json").is_file():
         return f"{name} is not a transformers model directory (no config.json in it); {choices}"
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first_line(err)
     if not path.exists():
         hub = f", and the hub did not give it ({first[:160]})" if _is_hub_name(name) else ""
         return f"model {name!r} not found: no such directory {name}{hub}; {choices}"

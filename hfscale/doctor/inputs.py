@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import HfscaleError
+from ..errors import HfscaleError, first_line
 
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -28,7 +28,7 @@ def read_mapping(path: str | os.PathLike, kind: str) -> dict:
         # libyaml's parser when present: same SafeLoader semantics, 4.5x faster on a 5 MB file
         data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=SAFE_LOADER)
     except (json.JSONDecodeError, yaml.YAMLError, RecursionError, ValueError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = first_line(e)
         raise HfscaleError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg}); fix its syntax") from None
     if data is None:  # accelerate's own loader fails on an empty YAML too
         raise HfscaleError(f"{path} is empty; give the {kind} as a mapping (key: value lines)")
@@ -109,7 +109,7 @@ def load_setup(accelerate=None, deepspeed=None, args=None, model=None, num_proce
             try:
                 s.model_config = AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path))
             except (OSError, ValueError) as e:
-                raise HfscaleError(f"cannot read model config {model}: {str(e).splitlines()[0][:200]}") from None
+                raise HfscaleError(f"cannot read model config {model}: {first_line(e, 200)}") from None
         else:
             s.model_config = load_config(model)
         s.model_name = str(model)

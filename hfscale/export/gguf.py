@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..errors import HfscaleError
+from ..errors import HfscaleError, first_line
 
 QTYPES = ("F16", "BF16", "Q8_0", "Q4_0")
 EMBED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
@@ -218,7 +218,7 @@ def _check_gemma4(cfg) -> None:
     try:
         layers = _gemma4_layers(cfg)
     except (ValueError, KeyError, AttributeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise _gemma4_error(f"cannot resolve the per-layer shapes of this config ({first})") from None
     if not any(lay.sliding for lay in layers):
         raise _gemma4_error("a config without sliding-attention layers is not supported "

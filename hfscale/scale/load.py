@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import ConfigError, HfscaleError
+from ..errors import ConfigError, HfscaleError, first_line
 from .spec import Aio, Launch, ScaleSpec, Zero
 
 _NESTED = {"zero": Zero, "launch": Launch, "aio": Aio}
@@ -47,7 +47,7 @@ def load_spec(path: str | Path) -> ScaleSpec:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError, RecursionError, ValueError) as e:  # RecursionError: nested too deep
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = first_line(e)
         raise HfscaleError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {msg}; fix its syntax") from None
     return spec_from_dict(data)
 

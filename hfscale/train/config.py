@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError, HfscaleError
+from ..errors import ConfigError, HfscaleError, first_line
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def load_recipe(path: str | None, overrides: dict | None = None, cls=TrainConfig
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise HfscaleError(f"{path} is not valid YAML ({str(e).splitlines()[0]})") from None
+            raise HfscaleError(f"{path} is not valid YAML ({first_line(e)})") from None
         if not isinstance(loaded, dict):
             raise HfscaleError(f"{path} must hold a mapping of recipe settings")
         values.update(loaded)
