@@ -8,6 +8,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# step traces are cached; tests keep theirs out of the user's ~/.cache
+os.environ.setdefault("HFSCALE_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"hfscale-test-cache-{os.getuid()}"))
 
 ROOT = Path(__file__).resolve().parents[1]
 

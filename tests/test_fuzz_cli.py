@@ -212,6 +212,9 @@ def plan_cases(draw):
         argv += [flag, draw(st.one_of(vals, vals, vals, small_pos))] if draw(st.integers(0, 19)) else []
     hw = draw(st.booleans())
     argv += ["--gpus-per-node", draw(small_pos)] if hw else []
+    # the step trace (seconds per full-size model, one per candidate shape) runs for the tiny models alone
+    if not hw and model in ("tiny-gemma3", "in/model") and draw(st.integers(0, 3)) == 0:
+        argv += ["--trace"]
     argv += draw(flags({
         "--checkpointing": st.sampled_from(["off", "full", "every:0", "every:2", "every:x", "auto", "bogus"]),
         "--zero": nums, "--offload": st.sampled_from(["none", "cpu", "nvme"]), "--dp": nums,

@@ -44,6 +44,9 @@ def add_parser(sub):
     p.add_argument("--gpu-mem", help="memory per GPU (default: 80GB)")
     p.add_argument("--cpu-mem", help="CPU memory per node, for offload (default: 512GB)")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: micro x seq x dp)")
+    p.add_argument("--trace", action="store_true", help="also trace the step on fake tensors with transformers' own code: "
+                   "prediction.peak / peak_step1 / phases, candidates ranked on the traced peak, any causal LM "
+                   "(seconds per model shape, cached under $HFSCALE_CACHE)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", help="write stacked memory bars per strategy to this PNG (missing parent directories are created)")
     p.add_argument("--write", help="write accelerate YAML, DeepSpeed JSON and training arguments for the pick into this "
@@ -75,7 +78,9 @@ def run(args) -> int:
     from ..errors import HfscaleError
     from ..models import load_config
     from ..plan.dims import dims_from_config
-    from ..plan.memory import Strategy, predict
+    from ..plan.memory import CUDA_CONTEXT_BYTES, Strategy, predict
+    from ..plan.peak import for_strategy, untraceable
+    from ..plan.trace import TraceError
     from ..plan.planner import Hardware, candidates, parse_size, pick, shortfall
 
     _refuse_ignored_flags(args)
@@ -86,12 +91,32 @@ def run(args) -> int:
     if (args.write or args.plot) and hw is None:
         raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
     check_writable({args.write: "--write", args.plot: "--plot"}, args.force, inputs={args.model: "--model"})
-    d = dims_from_config(load_config(args.model))
+    config = load_config(args.model)
     dp = args.dp if args.dp is not None else (hw.world if hw else 1)  # --dp 0 is refused, not made 1
     s = Strategy(zero=args.zero, dp=dp, precision=args.precision, optimizer=args.optimizer, offload=args.offload,
                  checkpointing=args.checkpointing, micro_batch=args.micro_batch, seq_len=args.seq_len,
                  attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits)
-    out = {"model": args.model, "params": d.params, "strategy": s.label, "prediction": predict(d, s)}
+    try:
+        d = dims_from_config(config)
+    except HfscaleError as e:  # an architecture without analytic formulas: the trace alone answers
+        if not args.trace or untraceable(s) or args.inference:
+            raise HfscaleError(f"{e}; with --trace (and without --inference, and --optimizer/--base-bits adamw/16) "
+                               "the step is traced from transformers' own code instead") from None
+        d = None
+    why_not = "not asked (--trace)" if not args.trace else untraceable(s)
+    traced = (lambda strat, accum=1: for_strategy(config, strat, accum)) if why_not is None else None
+    out = {"model": args.model, "params": None, "strategy": s.label, "prediction": predict(d, s) if d else {}}
+    if traced:
+        try:
+            out["prediction"].update(traced(s))
+        except TraceError as e:  # no guessed peak: the analytic terms stand alone, and say why
+            if d is None:
+                raise
+            why_not, traced = str(e), None
+            out["prediction"]["peak_not_traced"] = why_not
+    else:
+        out["prediction"]["peak_not_traced"] = why_not
+    out["params"] = out["prediction"].get("params", d.params if d else None)
     if args.inference:
         from ..plan.memory import inference_bytes
 
@@ -102,7 +127,14 @@ def run(args) -> int:
     rows = best = None
     if hw:
         tokens = args.global_batch_tokens or args.micro_batch * args.seq_len * hw.world
-        rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention)
+        layers = config.get_text_config().num_hidden_layers
+        try:
+            rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention, step_peak=traced, layers=layers)
+        except TraceError as e:  # a candidate the trace cannot run: rank all on the analytic terms, and say so
+            if d is None:
+                raise
+            rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention, layers=layers)
+            out["candidates_not_traced"], traced = str(e), None
         best = pick(rows)
         out["candidates"] = rows
         out["pick"] = best
@@ -112,18 +144,28 @@ def run(args) -> int:
         print(json.dumps(out))
     else:
         p = out["prediction"]
-        print(f"{args.model}: {d.params / 1e9:.3f}B parameters; {s.label}, dp {dp}, seq {args.seq_len}, {args.precision}")
-        print("per-GPU GB   weights  grads  optimizer  activations  recompute  zero3-live  total")
-        print(f"             {_gb(p['weights']):>7}  {_gb(p['gradients']):>5}  {_gb(p['optimizer']):>9}  {_gb(p['activations']):>11}"
-              f"  {_gb(p['recompute_working']):>9}  {_gb(p['zero3_live']):>10}  {_gb(p['total']):>5}")
-        print(f"(not included: CUDA context {p['overheads_not_included']['cuda_context'] / 2**30:.1f} GiB, "
-              f"~10% allocator fragmentation; offloaded per rank {_gb(p['offloaded_per_rank'])} GB)")
+        print(f"{args.model}: {out['params'] / 1e9:.3f}B parameters; {s.label}, dp {dp}, seq {args.seq_len}, {args.precision}")
+        if d is not None:
+            print("per-GPU GB   weights  grads  optimizer  activations  recompute  zero3-live  total")
+            print(f"             {_gb(p['weights']):>7}  {_gb(p['gradients']):>5}  {_gb(p['optimizer']):>9}  {_gb(p['activations']):>11}"
+                  f"  {_gb(p['recompute_working']):>9}  {_gb(p['zero3_live']):>10}  {_gb(p['total']):>5}")
+        if "peak" in p:
+            ph, ph1 = p["phases"], p["phases_step1"]
+            print(f"step peak GB {_gb(p['peak'])} in {p['peak_phase']} (step 1: {_gb(p['peak_step1'])}); phases steady / step 1: "
+                  + ", ".join(f"{k} {_gb(ph[k])} / {_gb(ph1[k])}" for k in ph))
+            print("  at the peak: " + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(p["peak_breakdown"].items(), key=lambda kv: -kv[1])))
+            print(f"  (traced on fake tensors in {p['trace']['seconds']} s as {p['trace']['precision']}; assumes {p['trace']['assumes']})")
+        else:
+            print(f"step peak not traced: {p['peak_not_traced']}")
+        print(f"(not included: CUDA context {CUDA_CONTEXT_BYTES / 2**30:.1f} GiB, "
+              f"~10% allocator fragmentation; offloaded per rank {_gb(p.get('offloaded_per_rank', 0))} GB)")
         if args.inference:
             i = out["inference"]
             print(f"inference ({args.quant}, batch {args.batch}, context {args.context or args.seq_len}): weights {_gb(i['weights'])} GB"
                   f" + KV cache {_gb(i['kv_cache'])} GB = {_gb(i['total'])} GB")
         if rows:
-            print(f"\ncandidates on {hw.nodes}x{hw.gpus_per_node} GPUs of {hw.gpu_mem / 1e9:.0f} GB (peak = total x 1.1 + context):")
+            basis = "traced step peak" if traced else "analytic total"
+            print(f"\ncandidates on {hw.nodes}x{hw.gpus_per_node} GPUs of {hw.gpu_mem / 1e9:.0f} GB (peak = {basis} x 1.1 + context):")
             print(f"  {'strategy':34} {'accum':>5} {'peak GB':>8} {'cost':>6}  fits")
             for r in rows[:12]:
                 print(f"  {r['strategy']:34} {r['grad_accum']:>5} {r['peak_bytes'] / 1e9:>8.1f} {r['cost']:>6.2f}  {'yes' if r['fits'] else 'no'}")

@@ -56,9 +56,9 @@ def parse_size(text: str) -> int:
     raise HfscaleError(f"cannot read size {text!r}; write it like 80GB, 40GiB or 1.5TB")
 
 
-def cost(d: Dims, s: Strategy, max_micro: int) -> float:
+def cost(layers: int, s: Strategy, max_micro: int) -> float:
     c = 1.0
-    c += (1 / 3) * len(checkpointed_layers(s.checkpointing, d.layers)) / d.layers
+    c += (1 / 3) * len(checkpointed_layers(s.checkpointing, layers)) / layers
     c += 0.10 if s.zero == 3 else 0.0
     c += {"none": 0.0, "cpu": 0.5, "nvme": 1.0}[s.offload]
     c += 0.05 * math.log2(max_micro / s.micro_batch)
@@ -66,12 +66,17 @@ def cost(d: Dims, s: Strategy, max_micro: int) -> float:
 
 
 def peak_bytes(pred: dict) -> int:
-    """Predicted peak with the stated overheads: total x (1 + fragmentation) + CUDA context."""
-    return int(pred["total"] * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
+    """Predicted peak with the stated overheads: (the traced step peak, else the analytic total)
+    x (1 + fragmentation) + CUDA context."""
+    return int(pred.get("peak", pred.get("total", 0)) * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
 
 
-def candidates(d: Dims, hw: Hardware, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
-               attention: str = "sdpa") -> list[dict]:
+def candidates(d: Dims | None, hw: Hardware, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
+               attention: str = "sdpa", step_peak=None, layers: int | None = None) -> list[dict]:
+    """Every strategy for `hw`, sorted fitting first, then by cost. `step_peak(strategy, grad_accum)` (the
+    traced prediction, `peak.step_prediction`) decides the peak when given; else the analytic total does.
+    `d` may be None for an architecture the analytic model does not know (then `step_peak` is required)."""
+    layers = layers or d.layers
     dp = hw.world
     per_step_seqs, rem = divmod(global_batch_tokens, seq_len * dp)
     if per_step_seqs < 1 or rem:
@@ -80,7 +85,7 @@ def candidates(d: Dims, hw: Hardware, seq_len: int, global_batch_tokens: int, pr
             f"use a multiple of {seq_len * dp:,}"
         )
     micros = [m for m in (1, 2, 4, 8, 16, 32) if per_step_seqs % m == 0]
-    ckpt_modes = list(dict.fromkeys(("off", resolve("auto", d.layers), "full")))  # every ~sqrt(L)-th layer
+    ckpt_modes = list(dict.fromkeys(("off", resolve("auto", layers), "full")))  # every ~sqrt(L)-th layer
     rows = []
     for zero in (0, 1, 2, 3):
         for offload in ("none", "cpu", "nvme"):
@@ -90,17 +95,49 @@ def candidates(d: Dims, hw: Hardware, seq_len: int, global_batch_tokens: int, pr
                 for micro in micros:
                     s = Strategy(zero=zero, dp=dp, precision=precision, offload=offload, checkpointing=ckpt,
                                  micro_batch=micro, seq_len=seq_len, attention=attention)
-                    pred = predict(d, s)
-                    peak = peak_bytes(pred)
-                    cpu_need = pred["offloaded_per_rank"] * hw.gpus_per_node if offload == "cpu" else 0
-                    fits = peak <= hw.gpu_mem and cpu_need <= hw.cpu_mem
                     rows.append({
                         "strategy": s.label, "zero": zero, "offload": offload, "checkpointing": ckpt, "precision": precision,
                         "micro_batch": micro, "grad_accum": per_step_seqs // micro, "dp": dp,
-                        "prediction": pred, "peak_bytes": peak, "cpu_bytes_per_node": cpu_need,
-                        "fits": fits, "cost": cost(d, s, max(micros)),
+                        "prediction": predict(d, s) if d is not None else {}, "cost": cost(layers, s, max(micros)),
+                        "_strategy": s,
                     })
+    for r in rows:
+        _judge(r, hw, "analytic")
+    if step_peak is not None:
+        _trace_in_cost_order(rows, hw, step_peak)
+    for r in rows:
+        del r["_strategy"]
     return sorted(rows, key=lambda r: (not r["fits"], r["cost"], r["peak_bytes"]))
+
+
+def _judge(row: dict, hw: Hardware, source: str) -> None:
+    pred = row["prediction"]
+    row["peak_bytes"] = peak_bytes(pred) if pred else 0
+    row["cpu_bytes_per_node"] = pred.get("offloaded_per_rank", 0) * hw.gpus_per_node if row["offload"] == "cpu" else 0
+    row["fits"] = bool(pred) and row["peak_bytes"] <= hw.gpu_mem and row["cpu_bytes_per_node"] <= hw.cpu_mem
+    row["peak_source"] = source
+
+
+def _trace_in_cost_order(rows: list[dict], hw: Hardware, step_peak) -> None:
+    """Trace candidates cheapest first until one fits on its traced peak. A candidate whose exact model
+    states alone (analytic, no activations) exceed the GPU is out without a trace; candidates costlier
+    than the pick keep their analytic peak (`peak_source`). Traces differ only by checkpointing, micro
+    batch and accumulation (ZeRO and offload re-shard the same trace), so most rows reuse a cached one."""
+    from tqdm import tqdm
+
+    todo = sorted(rows, key=lambda r: (r["cost"], r["prediction"].get("total", 0)))
+    with tqdm(total=len(todo), desc="tracing candidates", unit="strategy", disable=None, leave=False) as bar:
+        for r in todo:
+            bar.update()
+            p = r["prediction"]
+            states = p.get("weights", 0) + p.get("gradients", 0) + p.get("optimizer", 0)
+            if states > hw.gpu_mem:
+                r["peak_source"] = "analytic (model states alone exceed the GPU)"
+                continue
+            r["prediction"] = {**p, **step_peak(r["_strategy"], r["grad_accum"])}
+            _judge(r, hw, "trace")
+            if r["fits"]:
+                return
 
 
 def pick(rows: list[dict]) -> dict | None:

@@ -1,0 +1,382 @@
+"""The step peak of training any transformers causal LM, traced from its own code on fake tensors.
+
+`trace_step` builds the model from its config under torch's `FakeTensorMode` (CPU fake tensors: no
+weights are allocated, shapes are full size), runs transformers' real forward, backward and an AdamW
+step twice, and accounts every live tensor with torch's `MemTracker`
+(`torch.distributed._tools.mem_tracker`), one tracker context per phase so each phase's peak is its
+own. Step 1 differs from later steps: AdamW creates its two moments inside the first `step()`, and
+gradients do not exist yet in the first forward. Steady steps (2+) are the same as each other.
+
+What is traced is what this module runs, per rank without sharding (ZeRO-0 / DDP):
+  precision  fp32          fp32 weights, gradients, AdamW states
+             bf16          bf16 weights and gradients, fp32 master weights + AdamW states (DeepSpeed's
+                           bf16 / ZeRO layout: master weights are `other` in the breakdown; each step
+                           upcasts the gradient into the master's .grad, steps, copies back)
+             bf16-autocast fp32 weights, bf16 compute under torch.autocast (accelerate's DDP/FSDP
+                           mixed precision); gradients and AdamW fp32
+             bf16-pure     bf16 weights, gradients and AdamW states
+  checkpointing off | full | every:K through `hfscale.checkpointing` (non-reentrant, as the recipes run it)
+  attention  sdpa | eager (transformers' attn_implementation); LoRA via peft on every decoder linear
+  grad_accum 2+ traces two micro batches per step, so the second forward runs with gradients alive.
+
+Fidelity: on CPU, fake tensors take the same kernels as real ones, so the trace equals a real CPU run's
+MemTracker numbers (tests/test_trace.py checks this on several architectures). CUDA kernels (flash /
+memory-efficient attention) save different tensors; a trace says it assumes CPU kernels. Allocator
+overheads (caching, fragmentation, CUDA context) are not in any traced number.
+Ops with no fake kernel or a data-dependent output shape (some MoE routers) raise `TraceError` naming
+the model type and the op; nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+
+from ..errors import HfscaleError
+
+PRECISIONS = ("fp32", "bf16", "bf16-autocast", "bf16-pure")
+# MemTracker's reference types -> the names hfscale reports
+KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
+         "Temp": "temporaries", "Optstate": "optimizer", "Other": "master_weights"}
+
+
+class TraceError(HfscaleError):
+    """The model cannot be traced on fake tensors (unknown architecture, op without a fake kernel)."""
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    bytes: int
+    breakdown: dict[str, int]  # kind -> bytes alive at this phase's peak
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """Phase peaks of one rank's training step. `micro` holds (forward, backward) of step 1's micro
+    batches: one, or two when accumulation was traced (the second runs with gradients alive). Steady
+    steps add `state_bytes` (AdamW's moments, created in step 1's optimizer step) to those phases."""
+
+    model_type: str
+    precision: str
+    attention: str
+    checkpointing: str
+    micro_batch: int
+    seq_len: int
+    lora_rank: int
+    micro: list[dict[str, PhasePeak]]
+    optimizer_step1: PhasePeak
+    optimizer_steady: PhasePeak
+    state_bytes: int
+    params: int
+    trainable_params: int
+    largest_module_param_bytes: int
+    seconds: float
+    kernels: str = "cpu"
+    depth: list[int] | None = None  # the two depths a scaled trace was extrapolated from (peak.py)
+
+    def phases(self, steady: bool = True, grad_accum: int = 1) -> dict[str, PhasePeak]:
+        """forward / backward / optimizer peaks of step 1 or of a steady step, for `grad_accum` micro batches."""
+        if grad_accum > 1 and len(self.micro) < 2:
+            raise ValueError("this trace has one micro batch; trace with grad_accum=2 to predict accumulation")
+        micros = self.micro[: 1 if grad_accum == 1 else 2]
+        out = {}
+        for ph in ("forward", "backward"):
+            p = max((m[ph] for m in micros), key=lambda x: x.bytes)
+            if steady:
+                p = PhasePeak(p.bytes + self.state_bytes,
+                              {**p.breakdown, "optimizer": p.breakdown.get("optimizer", 0) + self.state_bytes})
+            out[ph] = p
+        out["optimizer"] = self.optimizer_steady if steady else self.optimizer_step1
+        return out
+
+    def prediction(self, grad_accum: int = 1) -> dict:
+        """The keys `hfscale plan --json` reports under prediction (fixed names scripts can rely on)."""
+        steady, step1 = self.phases(True, grad_accum), self.phases(False, grad_accum)
+        at = max(steady, key=lambda k: steady[k].bytes)
+        return {
+            "peak": steady[at].bytes,
+            "peak_step1": max(p.bytes for p in step1.values()),
+            "peak_phase": at,
+            "phases": {k: v.bytes for k, v in steady.items()},
+            "phases_step1": {k: v.bytes for k, v in step1.items()},
+            "peak_breakdown": dict(steady[at].breakdown),
+            "trace": {"kernels": self.kernels, "seconds": round(self.seconds, 2), "precision": self.precision,
+                      "attention": self.attention, "checkpointing": self.checkpointing, "grad_accum": grad_accum,
+                      "traced_layers": self.depth, "assumes": ASSUMES},
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepTrace":
+        pp = lambda x: PhasePeak(**x)  # noqa: E731
+        return cls(**{**d, "micro": [{k: pp(v) for k, v in m.items()} for m in d["micro"]],
+                      "optimizer_step1": pp(d["optimizer_step1"]), "optimizer_steady": pp(d["optimizer_steady"])})
+
+
+ASSUMES = ("CPU kernels (CUDA flash / memory-efficient attention save different tensors); "
+           "no allocator caching, fragmentation or CUDA context")
+
+
+def _tracker():
+    """torch's MemTracker, minus its per-module peak bookkeeping.
+
+    MemTracker updates the peak of every module seen so far on every op (O(modules) per op: a Gemma 3 1B
+    forward at 1024 tokens takes 6.6 s tracked against 1.0 s untracked, 4.4 s of it there). Only the
+    global peak and its per-kind snapshot are used here, so only those are kept up to date; how tensors
+    are classified, counted and freed is MemTracker's own.
+    """
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # MemTracker hooks every parameter's gradient, which raises on frozen ones (LoRA's base); a
+            # module holding any is counted without hooks, and its trainable adapters are hooked when
+            # their own submodules run
+            frozen = any(not p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = deepcopy(snap)
+
+    return StepTracker()
+
+
+def _phase(mt) -> PhasePeak:
+    snap = mt.get_tracker_snapshot("peak")
+    dev = max(snap.values(), key=lambda d: d["Total"]) if snap else {"Total": 0}
+    return PhasePeak(int(dev["Total"]), {KINDS.get(getattr(k, "value", k), str(k)): int(v) for k, v in dev.items()
+                                          if k != "Total" and v})
+
+
+def _build(config, precision: str, attention: str, lora_rank: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if precision in ("bf16", "bf16-pure") else torch.float32
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear"))
+    return model
+
+
+def _materialize_fake(model):
+    """A model built on the meta device, given fake CPU storage (inside FakeTensorMode), ties restored.
+    Building on meta first is faster than initialising under fake tensors and lets peft wrap layers (its
+    `.to()` cannot swap fake parameters)."""
+    model.to_empty(device="cpu")
+    model.get_base_model().tie_weights() if hasattr(model, "get_base_model") else model.tie_weights()
+    return model
+
+
+class _Optimizer:
+    """AdamW (fused: transformers Trainer's default, and like DeepSpeed's one-kernel step) as the precision
+    runs it; bf16 keeps fp32 master copies and steps those, their fp32 gradients counted as gradients."""
+
+    def __init__(self, model, precision: str):
+        import torch
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = self.holders = None
+        self.mt = None
+        if precision == "bf16":
+            self.master = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+            self.holders = []
+            for m in self.master:
+                h = torch.nn.Module()
+                h.register_parameter("master", m)
+                self.holders.append(h)
+        self.opt = torch.optim.AdamW(self.master or self.params, lr=1e-4, fused=True)
+
+    def step(self):
+        import torch
+
+        if self.master is not None:
+            for m, p, h in zip(self.master, self.params, self.holders):
+                m.grad = p.grad.float()
+                p.grad = None
+                if self.mt is not None:  # the upcast gradient is a gradient; the master stays master weights
+                    self.mt.track_external(h, m)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.master is not None:
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    p.copy_(m)
+        for p in self.params:
+            p.grad = None
+
+
+def _micro_steps(model, mt, ids, precision: str, grad_accum: int) -> list[dict[str, PhasePeak]]:
+    import torch
+
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-autocast"
+                else contextlib.nullcontext())
+    micros = []
+    for _ in range(min(grad_accum, 2)):  # the second micro batch runs with gradients alive
+        with mt:
+            with autocast:
+                loss = model(input_ids=ids, labels=ids).loss
+        fwd = _phase(mt)
+        with mt:
+            loss.backward()
+        micros.append({"forward": fwd, "backward": _phase(mt)})
+        del loss
+        mt.reset_mod_stats()  # MemTracker tracks one call per module between resets
+    return micros
+
+
+def _optimizer_step(opt, mt) -> PhasePeak:
+    with mt:
+        opt.step()
+    mt.reset_mod_stats()
+    return _phase(mt)
+
+
+def _state_bytes(opt) -> int:
+    import torch
+
+    return sum(t.untyped_storage().nbytes() for st in opt.opt.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor))
+
+
+def _setup(model, config, micro_batch, seq_len, precision, checkpointing):
+    import torch
+
+    from ..checkpointing import apply_checkpointing_
+
+    apply_checkpointing_(model, checkpointing)
+    model.train()
+    opt = _Optimizer(model, precision)
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+    mt = _tracker()
+    mt.track_external(model, opt.opt, *(opt.master or []))
+    opt.mt = mt
+    return opt, ids, mt
+
+
+def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing):
+    from ..checkpointing import parse_checkpointing
+
+    if precision not in PRECISIONS:
+        raise HfscaleError(f"precision {precision!r} cannot be traced; use one of {', '.join(PRECISIONS)}")
+    if micro_batch < 1 or seq_len < 1 or grad_accum < 1 or lora_rank < 0:
+        raise HfscaleError(f"micro batch, sequence length and grad accumulation must be >= 1 and LoRA rank >= 0 "
+                           f"(got {micro_batch}, {seq_len}, {grad_accum}, {lora_rank})")
+    parse_checkpointing(checkpointing)
+
+
+def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
+                  checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, steps: int = 2) -> list[dict[str, PhasePeak]]:
+    """Run `steps` whole training steps for real (random weights) under the same tracker: each step's phase
+    peaks, what `trace_step` is checked against. Run it first in a fresh process: a second real run in
+    the same process was measured to count one hidden-state tensor fewer (2.25 MiB on the tiny Gemma)."""
+    import copy
+
+    import torch
+
+    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing)
+    config = copy.deepcopy(config)
+    torch.manual_seed(0)
+    model = _build(config, precision, attention, lora_rank)
+    opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing)
+    out = []
+    for _ in range(steps):
+        micros = _micro_steps(model, mt, ids, precision, grad_accum)
+        out.append({ph: max((m[ph] for m in micros), key=lambda x: x.bytes) for ph in ("forward", "backward")}
+                   | {"optimizer": _optimizer_step(opt, mt)})
+    return out
+
+
+def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
+               checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1,
+               optimizer_only: bool = False) -> StepTrace:
+    """Trace step 1 of training the model `config` describes on fake tensors, and the steady optimizer step.
+    `optimizer_only` skips forward and backward (`micro` is empty): both optimizer steps then run on
+    gradients shaped as backward makes them (used to scale a trace to full depth, `peak.py`).
+
+    Forward and backward are traced once: a steady step's differ from step 1's only by the optimizer
+    states then alive (gradients are freed after each step). The optimizer step is traced twice (step 1
+    creates the states; the steady one runs on gradients shaped as backward makes them).
+    `tests/test_trace.py` checks both against whole real steps."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import copy
+
+    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing)
+    config = copy.deepcopy(config)  # building and checkpointing set fields on the config; the caller's stays as given
+    model_type = getattr(config, "model_type", "?")
+    t0 = time.perf_counter()
+    try:
+        with torch.device("meta"):
+            model = _build(config, precision, attention, lora_rank)
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors():
+            opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing)
+            micros = [] if optimizer_only else _micro_steps(model, mt, ids, precision, grad_accum)
+            opts = []
+            for step in range(2):
+                if step or optimizer_only:
+                    for p in opt.params:
+                        p.grad = torch.zeros_like(p)
+                    mt.track_external(model)  # the new .grad tensors count as gradients
+                opts.append(_optimizer_step(opt, mt))
+            opt1, opt2 = opts
+            params = sum(p.numel() for p in model.parameters())
+            largest = max((sum(p.untyped_storage().nbytes() for p in m.parameters(recurse=False))
+                           for m in model.modules()), default=0)
+    except HfscaleError:
+        raise
+    except Exception as e:  # an architecture or op fake tensors cannot run: name it, guess nothing
+        op = getattr(e, "func", None) or _failing_op(e)
+        hint = (" (custom code needs trust_remote_code)" if isinstance(e, (KeyError, ValueError))
+                and ("model type" in str(e) or "Unrecognized" in str(e)) else "")
+        raise TraceError(f"cannot trace model_type {model_type!r} on fake tensors{hint}"
+                         f"{f' (op {op})' if op is not None else ''}: {_line(e)}") from None
+    return StepTrace(model_type, precision, attention, checkpointing, micro_batch, seq_len, lora_rank, micros,
+                     opt1, opt2, _state_bytes(opt), params, sum(p.numel() for p in opt.params), largest,
+                     time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _quiet_fake_errors():
+    """FakeTensorMode logs a traceback for every op it cannot run; the TraceError says it in one line."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level, log.level = log.level, logging.CRITICAL
+    try:
+        yield
+    finally:
+        log.level = level
+
+
+def _failing_op(e: Exception):
+    """The aten op fake tensors were running when `e` was raised (FakeTensorMode's dispatch frame)."""
+    import torch
+
+    tb, op = e.__traceback__, None
+    while tb is not None:
+        f = tb.tb_frame.f_locals.get("func")
+        if isinstance(f, torch._ops.OpOverload):
+            op = f
+        tb = tb.tb_next
+    return op
+
+
+def _line(e: Exception) -> str:
+    from ..errors import first_line
+
+    return first_line(e, limit=200)
+
+
+__all__ = ["PRECISIONS", "KINDS", "PhasePeak", "StepTrace", "TraceError", "measure_steps", "trace_step"]
