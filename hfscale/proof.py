@@ -54,9 +54,11 @@ def _zero_holdings(engine, model) -> dict:
             params_partitioned_evenly=halves,
             params_total=len(params),
             param_devices=sorted({str(p.ds_tensor.device) for p in params}),
+            param_dtypes=sorted({str(p.ds_tensor.dtype) for p in params}),
         )
     else:
-        out.update(param_numel_full=sum(p.numel() for p in params), param_numel_local=sum(p.numel() for p in params))
+        out.update(param_numel_full=sum(p.numel() for p in params), param_numel_local=sum(p.numel() for p in params),
+                   param_dtypes=sorted({str(p.dtype) for p in params}))
     per_key: dict[str, int] = {}
     devices = set()
     for st in base.state.values():
@@ -242,8 +244,10 @@ def free_port() -> int:
 
 def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str] | None = None,
            num_machines: int = 1, timeout: float = 900, log: str | Path | None = None,
-           precision: str = "launch") -> list[dict]:
-    """Run the proof under `accelerate launch --config_file config` and return the rank reports.
+           precision: str = "launch", module: str = "hfscale.proof") -> list[dict]:
+    """Run the proof (or another rank worker `module` taking --out and --precision and writing
+    rank{R}.json there, e.g. hfscale.profile) under `accelerate launch --config_file config` and return
+    the rank reports.
 
     precision: "launch" runs what the config says; "auto" the same except fp32 where this host
     emulates bf16 (the demo's and the engine tests' choice); bf16 / fp16 / fp32 force it.
@@ -264,7 +268,7 @@ def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str
     port = str(free_port())
     base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
             "--num_processes", str(num_processes), "--main_process_port", port]
-    script = ["-m", "hfscale.proof", "--out", str(out), "--precision", precision, *(extra or [])]
+    script = ["-m", module, "--out", str(out), "--precision", precision, *(extra or [])]
     if num_machines == 1:
         cmds = [base + ["--num_machines", "1", "--machine_rank", "0", *script]]
     else:

@@ -127,6 +127,9 @@ def test_shipped_config_distributes_for_real(name, tmp_path, nvme_config, model_
             assert full / 2 <= r["param_numel_local"] <= full / 2 + r["params_total"]
         else:
             assert r["param_numel_local"] == full  # stage 1/2 keep whole parameters
+        # the engine's precision is the parameters' dtype (ZeRO-3's zero.Init partitioned bf16 under an fp32
+        # engine before make_accelerator re-registered the config it changed)
+        assert r["param_dtypes"] == [{"bf16": "torch.bfloat16", "fp32": "torch.float32"}[EXPECTED]], r["param_dtypes"]
         # the fp32 master partition the optimizer steps on: this rank's half (swapped out under NVMe)
         if nvme:
             assert r["fp32_master_numel_local"] == 0

@@ -95,6 +95,11 @@ def make_accelerator(precision: str | None = None, **kwargs):
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if precision is not None and plugin is not None:
         set_deepspeed_precision(plugin.deepspeed_config, precision)
+        if plugin.zero3_init_flag:
+            # transformers' zero.Init reads the config accelerate registered at Accelerator(): without this a
+            # ZeRO-3 model is partitioned in the launch config's bf16 while the engine runs `precision`
+            # (measured: fp32 engine, bf16 partitions, before this)
+            plugin.set_deepspeed_weakref()
     if accelerator.num_processes != launched or (launched > 1 and accelerator.distributed_type == DistributedType.NO):
         raise RuntimeError(
             f"accelerate sees {accelerator.num_processes} process(es) ({accelerator.distributed_type}) but "
@@ -109,6 +114,13 @@ def set_deepspeed_precision(ds_config: dict, precision: str) -> dict:
         block = ds_config.get(key)
         ds_config[key] = {**(block if isinstance(block, dict) else {}), "enabled": precision == key}
     return ds_config
+
+
+def set_deepspeed_micro_batch(accelerator, micro_batch: int) -> None:
+    """A loop that passes no DataLoader through `prepare()` sets DeepSpeed's "auto" micro batch here."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
 
 
 def make_optimizer(accelerator, model, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8):

@@ -126,7 +126,7 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
     """Accelerator (right on CPU hosts too) in the precision chosen, a clean OUTPUT_DIR on the main rank,
     the batch arithmetic and (if it differs from the launch config) the precision said in one line."""
     from ..atomic import write_text_atomic
-    from ..scale.runtime import make_accelerator
+    from ..scale.runtime import make_accelerator, set_deepspeed_micro_batch
 
     plan, ckpts, resume, choice = pre.plan, pre.ckpts, pre.resume, pre.precision
     accelerator = make_accelerator(precision=choice.precision if choice.overridden else None,
@@ -146,9 +146,7 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
         for g in gone:
             print(f"[{tag}] removed the interrupted save {g.name}")
     accelerator.wait_for_everyone()
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None:  # no DataLoader goes through prepare(), so DeepSpeed's "auto" micro batch is set here
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = plan.micro_batch
+    set_deepspeed_micro_batch(accelerator, plan.micro_batch)
     return accelerator
 
 
