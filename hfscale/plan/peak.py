@@ -34,14 +34,17 @@ from dataclasses import replace
 
 from .trace import PhasePeak, StepTrace, trace_step
 
+# bump when what a trace records changes (2: gradients made in backward count as gradients, not temporaries)
+TRACE_FORMAT = 2
 STATE_KINDS = ("parameters", "gradients", "optimizer", "master_weights")
 
 
-def trace_precision(precision: str, zero: int) -> str:
-    """What a planned precision runs as: DDP (ZeRO-0) bf16 is accelerate's autocast over fp32 weights;
-    DeepSpeed bf16 keeps bf16 weights and fp32 master weights in the optimizer."""
+def trace_precision(precision: str, zero: int, engine: str = "auto") -> str:
+    """What a planned precision runs as: DDP bf16 (ZeRO-0 when the engine is "auto") is accelerate's
+    autocast over fp32 weights; DeepSpeed bf16 keeps bf16 weights and fp32 master weights in the optimizer."""
     if precision == "bf16":
-        return "bf16-autocast" if zero == 0 else "bf16"
+        ddp = zero == 0 if engine == "auto" else engine != "deepspeed"
+        return "bf16-autocast" if ddp else "bf16"
     return precision
 
 
@@ -53,7 +56,8 @@ def _key(config, kw: dict) -> str:
     import torch
     import transformers
 
-    text = json.dumps([config.to_json_string(use_diff=False), kw, torch.__version__, transformers.__version__],
+    text = json.dumps([config.to_json_string(use_diff=False), kw, torch.__version__, transformers.__version__,
+                       TRACE_FORMAT],
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -125,7 +129,7 @@ def scaled_trace(config, **kw) -> StepTrace:
     a, b = cached_trace(truncated(config, L0), **kw), cached_trace(truncated(config, L1), **kw)
     # the optimizer step depends on the parameters only: one trace serves every sequence, micro batch and mode
     full = cached_trace(config, micro_batch=1, seq_len=1, precision=kw["precision"], lora_rank=kw.get("lora_rank", 0),
-                        optimizer_only=True)
+                        optimizer_only=True, **({"adamw": kw["adamw"]} if kw.get("adamw", "fused") != "fused" else {}))
     n = (L - L0) // (L1 - L0)
 
     def ext(x: PhasePeak, y: PhasePeak) -> PhasePeak:
@@ -164,26 +168,54 @@ def cached_trace(config, **kw) -> StepTrace:
 
 def step_prediction(config, micro_batch: int, seq_len: int, precision: str, attention: str = "sdpa",
                     checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, zero: int = 0,
-                    dp: int = 1, offload: str = "none") -> dict:
-    """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy."""
-    kw = dict(seq_len=seq_len, precision=trace_precision(precision, zero), attention=attention,
+                    dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = "fused") -> dict:
+    """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy.
+    engine: "ddp" (torch DDP through accelerate), "deepspeed", or "auto" (ddp at ZeRO-0, else deepspeed).
+    adamw: torch AdamW's implementation the run uses (trace.ADAMW; fused is transformers Trainer's default)."""
+    engine = ("ddp" if zero == 0 else "deepspeed") if engine == "auto" else (
+        "deepspeed" if engine.lower() == "deepspeed" else "ddp")
+    kw = dict(seq_len=seq_len, precision=trace_precision(precision, zero, engine), attention=attention,
               checkpointing=checkpointing, lora_rank=lora_rank, grad_accum=min(grad_accum, 2))
+    if adamw != "fused":  # the default stays out of the cache key: traces cached before it existed stay valid
+        kw["adamw"] = adamw
     tr = scaled_trace(config, micro_batch=micro_batch, **kw)
-    steps = {s: {k: dict(v.breakdown) for k, v in tr.phases(s, grad_accum).items()} for s in (True, False)}
-    steps = {s: {ph: shard(kinds, zero, dp, offload, tr.largest_module_param_bytes) for ph, kinds in v.items()}
-             for s, v in steps.items()}
-    steady, step1 = ({ph: sum(k.values()) for ph, k in steps[s].items()} for s in (True, False))
+    if engine == "deepspeed":
+        from .zero import deepspeed_phases
+
+        hidden = getattr(config.get_text_config(), "hidden_size", 0) or 0
+        steps = {s: deepspeed_phases(tr, zero, dp, offload, hidden, s, grad_accum, adamw) for s in (True, False)}
+    else:
+        steps = {s: {k: dict(v.breakdown) for k, v in tr.phases(s, grad_accum).items()} for s in (True, False)}
+        steps = {s: {ph: shard(kinds, zero, dp, offload, tr.largest_module_param_bytes) for ph, kinds in v.items()}
+                 for s, v in steps.items()}
+        if dp > 1:  # DDP's gradient buckets: one more copy of the trainable gradients, alive all along
+            buckets = tr.trainable_params * (2 if tr.precision == "bf16-pure" else 4)
+            steps = {s: {ph: {**kinds, "ddp_buckets": buckets} for ph, kinds in v.items()} for s, v in steps.items()}
+            # before DDP rebuilds its buckets (step 2's forward) the first backward leaves one more gradient-sized
+            # copy alive into the optimizer step (measured on CPU / gloo: hfscale profile, benchmarks/step_peak.py)
+            steps[False]["optimizer"]["ddp_step1_copy"] = buckets
+    from .zero import HOST, split_host
+
+    steady, step1 = ({ph: split_host(k)[0] for ph, k in steps[s].items()} for s in (True, False))
     at = max(steady, key=steady.get)
     out = tr.prediction(grad_accum)
     out.update(peak=steady[at], peak_step1=max(step1.values()), peak_phase=at, phases=steady, phases_step1=step1,
-               peak_breakdown={k: v for k, v in sorted(steps[True][at].items()) if v})
+               peak_breakdown={k: v for k, v in sorted(steps[True][at].items()) if v and not k.startswith(HOST)})
+    # device + host per phase: what one memory holds where the "device" is the CPU (offload measured on CPU)
+    out["phases_with_host"], out["phases_step1_with_host"] = ({ph: sum(k.values()) for ph, k in steps[s].items()}
+                                                              for s in (True, False))
     states = {k: v for k, v in tr.phases(True, grad_accum)["optimizer"].breakdown.items() if k in STATE_KINDS}
-    out["offloaded_per_rank"] = (0 if offload == "none" else
-                                 -(-(states.get("optimizer", 0) + states.get("master_weights", 0)
-                                     + (states.get("parameters", 0) if zero == 3 else 0)) // dp))
+    if offload == "none":
+        out["offloaded_per_rank"] = 0
+    elif engine == "deepspeed":
+        out["offloaded_per_rank"] = split_host(steps[True]["optimizer"])[1]
+    else:
+        out["offloaded_per_rank"] = -(-(states.get("optimizer", 0) + states.get("master_weights", 0)
+                                        + (states.get("parameters", 0) if zero == 3 else 0)) // dp)
     out["params"], out["trainable_params"] = tr.params, tr.trainable_params
-    out["trace"].update(micro_batch=micro_batch, zero=zero, dp=dp, offload=offload,
-                        sharding="derived from the traced states" if zero or offload != "none" else "none")
+    out["trace"].update(micro_batch=micro_batch, zero=zero, dp=dp, offload=offload, engine=engine, adamw=adamw,
+                        sharding=("DeepSpeed's buffers over the traced step (hfscale/plan/zero.py)" if engine == "deepspeed"
+                                  else "derived from the traced states" if zero or offload != "none" else "none"))
     return out
 
 

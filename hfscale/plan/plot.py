@@ -30,11 +30,61 @@ def plot_candidates(rows: list[dict], path: str, title: str, gpu_mem: int, limit
     ax.set_ylabel("GB per GPU (before context/fragmentation)")
     ax.set_title(title + "  (* fits)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    save_png(fig, path, dpi=110)
+
+
+def save_png(fig, path: str, dpi: int) -> None:
+    """Write a matplotlib figure to `path` through a stage (hfscale.atomic), then close it."""
+    import matplotlib.pyplot as plt
+
     from ..atomic import staged
 
+    fig.tight_layout()
     try:
         with staged(path) as stage:
-            fig.savefig(stage, format="png", dpi=110)
+            fig.savefig(stage, format="png", dpi=dpi)
     finally:
         plt.close(fig)
+
+
+KIND_ORDER = ("parameters", "buffers", "master_weights", "optimizer", "gradients", "activations", "temporaries")
+
+
+def plot_timeline(ranks: list[dict], path: str, title: str, predicted: int | None = None) -> None:
+    """Stacked live bytes by kind over the ops of the profiled steps (`hfscale.profile`), one panel per rank
+    (at most 4), with a band per step phase and the plan's predicted steady peak as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = ranks[:4]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(11, 3.6 * len(shown)), squeeze=False)
+    colors = dict(zip(KIND_ORDER, plt.get_cmap("tab10").colors))
+    for ax, r in zip(axes[:, 0], shown):
+        samples = r["samples"]
+        xs = list(range(len(samples)))
+        kinds = [k for k in KIND_ORDER if any(s[2].get(k) for s in samples)]
+        ax.stackplot(xs, [[s[2].get(k, 0) / 2**20 for s in samples] for k in kinds],
+                     labels=[k.replace("master_weights", "master weights / engine buffers") for k in kinds],
+                     colors=[colors[k] for k in kinds], step="post")
+        # a band per phase of each step, labelled once
+        start, label = 0, samples[0][1] if samples else ""
+        for i, s in enumerate(samples + [[0, None, {}]]):
+            if s[1] != label:
+                phase = label.split()[-1] if label else ""
+                shade = {"forward": "#dde8f5", "backward": "#f5e6dd", "optimizer": "#e3f5dd"}.get(phase, "#eeeeee")
+                ax.axvspan(start, i, color=shade, alpha=0.5, zorder=-1)
+                ax.text((start + i) / 2, 1.0, label.replace("step ", "s").replace("forward", "fw").replace(
+                    "backward", "bw").replace("optimizer", "opt"), transform=ax.get_xaxis_transform(),
+                    ha="center", va="bottom", fontsize=6)
+                start, label = i, s[1]
+        m = r["measured"]
+        ax.axhline(m["peak"] / 2**20, color="black", lw=0.8, ls=":", label=f"measured steady peak {m['peak'] / 2**20:.1f} MiB")
+        if predicted:
+            ax.axhline(predicted / 2**20, color="red", lw=1, ls="--", label=f"plan's predicted peak {predicted / 2**20:.1f} MiB")
+        ax.set_ylabel(f"rank {r['rank']}: MiB alive")
+        ax.set_xlabel("ops that changed the live bytes (time order)")
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(title, fontsize=10)
+    save_png(fig, path, dpi=100)

@@ -35,21 +35,14 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..errors import HfscaleError
+from .tracker import KINDS, PhasePeak, phase_peak as _phase, step_tracker
 
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "bf16-pure")
-# MemTracker's reference types -> the names hfscale reports
-KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
-         "Temp": "temporaries", "Optstate": "optimizer", "Other": "master_weights"}
+ADAMW = ("fused", "foreach", "forloop")  # torch.optim.AdamW's implementations (see _Optimizer)
 
 
 class TraceError(HfscaleError):
     """The model cannot be traced on fake tensors (unknown architecture, op without a fake kernel)."""
-
-
-@dataclass(frozen=True)
-class PhasePeak:
-    bytes: int
-    breakdown: dict[str, int]  # kind -> bytes alive at this phase's peak
 
 
 @dataclass(frozen=True)
@@ -121,42 +114,6 @@ ASSUMES = ("CPU kernels (CUDA flash / memory-efficient attention save different 
            "no allocator caching, fragmentation or CUDA context")
 
 
-def _tracker():
-    """torch's MemTracker, minus its per-module peak bookkeeping.
-
-    MemTracker updates the peak of every module seen so far on every op (O(modules) per op: a Gemma 3 1B
-    forward at 1024 tokens takes 6.6 s tracked against 1.0 s untracked, 4.4 s of it there). Only the
-    global peak and its per-kind snapshot are used here, so only those are kept up to date; how tensors
-    are classified, counted and freed is MemTracker's own.
-    """
-    from copy import deepcopy
-
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class StepTracker(MemTracker):
-        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
-            # MemTracker hooks every parameter's gradient, which raises on frozen ones (LoRA's base); a
-            # module holding any is counted without hooks, and its trainable adapters are hooked when
-            # their own submodules run
-            frozen = any(not p.requires_grad for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
-
-        def _update_peak_stats(self, peak_state) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = deepcopy(snap)
-
-    return StepTracker()
-
-
-def _phase(mt) -> PhasePeak:
-    snap = mt.get_tracker_snapshot("peak")
-    dev = max(snap.values(), key=lambda d: d["Total"]) if snap else {"Total": 0}
-    return PhasePeak(int(dev["Total"]), {KINDS.get(getattr(k, "value", k), str(k)): int(v) for k, v in dev.items()
-                                          if k != "Total" and v})
-
-
 def _build(config, precision: str, attention: str, lora_rank: int):
     import torch
     from transformers import AutoModelForCausalLM
@@ -180,10 +137,12 @@ def _materialize_fake(model):
 
 
 class _Optimizer:
-    """AdamW (fused: transformers Trainer's default, and like DeepSpeed's one-kernel step) as the precision
-    runs it; bf16 keeps fp32 master copies and steps those, their fp32 gradients counted as gradients."""
+    """AdamW as the precision runs it; bf16 keeps fp32 master copies and steps those, their fp32 gradients
+    counted as gradients. `adamw`: torch's implementation, which decides the step's temporaries: fused
+    (transformers Trainer's default; like DeepSpeed's one-kernel step), foreach (torch's default on CUDA:
+    whole-list intermediates) or forloop (torch's default on CPU: one parameter's intermediates at a time)."""
 
-    def __init__(self, model, precision: str):
+    def __init__(self, model, precision: str, adamw: str = "fused"):
         import torch
 
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -196,7 +155,8 @@ class _Optimizer:
                 h = torch.nn.Module()
                 h.register_parameter("master", m)
                 self.holders.append(h)
-        self.opt = torch.optim.AdamW(self.master or self.params, lr=1e-4, fused=True)
+        self.opt = torch.optim.AdamW(self.master or self.params, lr=1e-4, fused=adamw == "fused",
+                                    foreach=adamw == "foreach")
 
     def step(self):
         import torch
@@ -250,22 +210,22 @@ def _state_bytes(opt) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def _setup(model, config, micro_batch, seq_len, precision, checkpointing):
+def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw="fused"):
     import torch
 
     from ..checkpointing import apply_checkpointing_
 
     apply_checkpointing_(model, checkpointing)
     model.train()
-    opt = _Optimizer(model, precision)
+    opt = _Optimizer(model, precision, adamw)
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
-    mt = _tracker()
+    mt = step_tracker()
     mt.track_external(model, opt.opt, *(opt.master or []))
     opt.mt = mt
     return opt, ids, mt
 
 
-def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing):
+def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw="fused"):
     from ..checkpointing import parse_checkpointing
 
     if precision not in PRECISIONS:
@@ -274,10 +234,13 @@ def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing
         raise HfscaleError(f"micro batch, sequence length and grad accumulation must be >= 1 and LoRA rank >= 0 "
                            f"(got {micro_batch}, {seq_len}, {grad_accum}, {lora_rank})")
     parse_checkpointing(checkpointing)
+    if adamw not in ADAMW:
+        raise HfscaleError(f"AdamW implementation {adamw!r} cannot be traced; use one of {', '.join(ADAMW)}")
 
 
 def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
-                  checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, steps: int = 2) -> list[dict[str, PhasePeak]]:
+                  checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, steps: int = 2,
+                  adamw: str = "fused") -> list[dict[str, PhasePeak]]:
     """Run `steps` whole training steps for real (random weights) under the same tracker: each step's phase
     peaks, what `trace_step` is checked against. Run it first in a fresh process: a second real run in
     the same process was measured to count one hidden-state tensor fewer (2.25 MiB on the tiny Gemma)."""
@@ -285,11 +248,11 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 
     import torch
 
-    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing)
+    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw)
     config = copy.deepcopy(config)
     torch.manual_seed(0)
     model = _build(config, precision, attention, lora_rank)
-    opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing)
+    opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw)
     out = []
     for _ in range(steps):
         micros = _micro_steps(model, mt, ids, precision, grad_accum)
@@ -300,7 +263,7 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 
 def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1,
-               optimizer_only: bool = False) -> StepTrace:
+               optimizer_only: bool = False, adamw: str = "fused") -> StepTrace:
     """Trace step 1 of training the model `config` describes on fake tensors, and the steady optimizer step.
     `optimizer_only` skips forward and backward (`micro` is empty): both optimizer steps then run on
     gradients shaped as backward makes them (used to scale a trace to full depth, `peak.py`).
@@ -314,7 +277,7 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
 
     import copy
 
-    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing)
+    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw)
     config = copy.deepcopy(config)  # building and checkpointing set fields on the config; the caller's stays as given
     model_type = getattr(config, "model_type", "?")
     t0 = time.perf_counter()
@@ -322,7 +285,8 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
         with torch.device("meta"):
             model = _build(config, precision, attention, lora_rank)
         with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors():
-            opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing)
+            opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
+                                  adamw)
             micros = [] if optimizer_only else _micro_steps(model, mt, ids, precision, grad_accum)
             opts = []
             for step in range(2):
@@ -380,4 +344,4 @@ def _line(e: Exception) -> str:
     return first_line(e, limit=200)
 
 
-__all__ = ["PRECISIONS", "KINDS", "PhasePeak", "StepTrace", "TraceError", "measure_steps", "trace_step"]
+__all__ = ["ADAMW", "PRECISIONS", "KINDS", "PhasePeak", "StepTrace", "TraceError", "measure_steps", "trace_step"]

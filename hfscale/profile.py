@@ -1,0 +1,314 @@
+"""The measured memory timeline of real training steps, per rank, by kind and phase.
+
+    hfscale profile --steps 3 --out prof/                                   # the tiny model, 1 process
+    hfscale profile --config accelerate_configs/zero2.yaml --num-processes 2 --out prof/
+    accelerate launch --config_file X.yaml -m hfscale.profile --out prof/ranks   # what the above runs
+
+`MemoryProfiler` is the piece for your own loop (`import hfscale.profile`): built after
+`accelerator.prepare`, it counts, with torch's MemTracker (`hfscale.plan.tracker`), every tensor the
+model, the optimizer and the engine hold (parameters, gradients, optimizer states, DeepSpeed's flat
+fp32 partitions and buckets, ZeRO-3's partitions; data tensors are not counted) and every tensor the
+steps create, and samples the live bytes after each op that changes them:
+
+    prof = MemoryProfiler(model, optimizer)
+    with prof.phase("forward", step): loss = model(...).loss
+    with prof.phase("backward", step): accelerator.backward(loss)
+    with prof.phase("optimizer", step): optimizer.step(); optimizer.zero_grad()
+    result = prof.result()     # a RankProfile: samples, per-step phase peaks, step 1 vs steady
+
+What MemTracker cannot see is reported apart, never guessed: DDP's C++ gradient buckets (from DDP's own
+logging data, `ddp_bucket_bytes`), allocator caching. On CUDA the rank also records PyTorch's allocator
+history and writes the snapshot that https://pytorch.org/memory_viz opens, with max_memory_allocated /
+max_memory_reserved per phase (written for CUDA; not run yet: no GPU has been lent to this project).
+Run on CPU here (2 processes over gloo, DDP and DeepSpeed ZeRO 0-3): tests/test_profile.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .plan.tracker import KINDS, Sample, step_tracker
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class RankProfile:
+    """One rank's measured steps. `phases[i]` is step i+1's {phase: {"bytes", "breakdown"}}."""
+
+    rank: int
+    world: int
+    device: str  # cpu | cuda: where the tracked bytes live (on cpu, offloaded states are in the same memory)
+    engine: str
+    zero: int
+    offload: str
+    precision: str
+    model: str
+    micro_batch: int
+    seq_len: int
+    checkpointing: str
+    attention: str
+    adamw: str
+    samples: list[Sample]
+    phases: list[dict]
+    extra: dict = field(default_factory=dict)  # bytes MemTracker cannot see (DDP's buckets), CUDA's numbers
+
+    @property
+    def peak_step1(self) -> int:
+        return max(p["bytes"] for p in self.phases[0].values())
+
+    @property
+    def peak(self) -> int:
+        """The largest phase peak of the last step: the steady state (step 2 can still hold one-time work,
+        such as DDP's bucket rebuild; profile 3 steps or more)."""
+        return max(p["bytes"] for p in self.phases[-1].values())
+
+    def summary(self) -> dict:
+        steady = self.phases[-1]
+        at = max(steady, key=lambda k: steady[k]["bytes"])
+        return {"peak": self.peak, "peak_step1": self.peak_step1, "peak_phase": at,
+                "phases": {k: v["bytes"] for k, v in steady.items()},
+                "phases_step1": {k: v["bytes"] for k, v in self.phases[0].items()},
+                "peak_breakdown": steady[at]["breakdown"]}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["samples"] = [[s.op, s.label, s.kinds] for s in self.samples]
+        d["measured"] = self.summary()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RankProfile":
+        d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**{**d, "samples": [Sample(*s) for s in d["samples"]]})
+
+
+def _tensors_in(obj, depth: int = 3, seen: set | None = None):
+    """Tensors held in `obj`'s attributes and in lists / tuples / dicts below them (not in other objects:
+    an engine refers to its module, its config, the process group ...)."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if isinstance(obj, dict):
+        values = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        values = list(obj)
+    else:
+        values = list(getattr(obj, "__dict__", {}).values())
+    for v in values:
+        if isinstance(v, (torch.Tensor, dict, list, tuple)):
+            yield from _tensors_in(v, depth - 1, seen)
+
+
+def _optimizer_chain(optimizer):
+    """The optimizer and what it wraps (accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> torch's)."""
+    chain, obj = [], optimizer
+    while obj is not None and obj not in chain:
+        chain.append(obj)
+        obj = getattr(obj, "optimizer", None)
+    return chain
+
+
+class MemoryProfiler:
+    """Counts what a rank holds through the steps run under `phase(...)` (see the module docstring)."""
+
+    def __init__(self, model, optimizer, engine=None):
+        import torch
+
+        self.mt = step_tracker(record=True)
+        self.phases: list[dict] = []
+        self.model = model
+        self.invisible_seen: dict[str, int] = {}
+        # first what is neither a parameter nor an optimizer state (DeepSpeed's flat buffers, ZeRO-3's
+        # partitions, fp32 master copies), then parameters / buffers, then optimizer states: MemTracker
+        # keeps the last kind given to a storage, so a parameter viewing a flat buffer counts as a parameter
+        chain = _optimizer_chain(optimizer)
+        held = []
+        for obj in [*chain, engine, *(p for p in model.parameters())]:
+            if obj is not None:
+                held.extend(t for t in _tensors_in(obj) if t.untyped_storage().nbytes())
+        if held:
+            self.mt.track_external(*held)
+        self.mt.track_external(model)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads:
+            self.mt.track_external(*grads)
+        for opt in chain:
+            if isinstance(opt, torch.optim.Optimizer):
+                self.mt.track_external(opt)
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int):
+        """Run one phase of step `step` (1-based) under the tracker; its peak is kept by kind."""
+        import torch
+
+        if name not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+        while len(self.phases) < step:
+            self.phases.append({})
+        self.mt.label = f"step {step} {name}"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with self.mt:
+            self.mt.sample()
+            yield
+        peak = self.mt.get_tracker_snapshot("peak")
+        dev = max(peak.values(), key=lambda d: d["Total"]) if peak else {"Total": 0}
+        breakdown = {KINDS.get(getattr(k, "value", k), str(k)): int(v) for k, v in dev.items() if k != "Total" and v}
+        invisible = {k: v for k, v in {"ddp_buckets": ddp_bucket_bytes(self.model)}.items() if v}
+        self.invisible_seen.update(invisible)
+        entry = {"bytes": int(dev["Total"]) + sum(invisible.values()), "breakdown": {**breakdown, **invisible}}
+        if self.cuda:
+            entry["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+            entry["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
+        self.phases[step - 1][name] = entry
+        if name == "optimizer":
+            self.mt.reset_mod_stats()  # MemTracker tracks one call per module between resets
+
+    def dump_cuda_snapshot(self, path: str | os.PathLike) -> str | None:
+        """PyTorch's allocator snapshot (open it at https://pytorch.org/memory_viz); None on CPU."""
+        if not self.cuda:
+            return None
+        import torch
+
+        from .atomic import staged
+
+        with staged(path) as stage:
+            torch.cuda.memory._dump_snapshot(str(stage))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        return str(path)
+
+
+def adamw_impl(optimizer) -> str:
+    """Which implementation the torch AdamW inside `optimizer` (or its wrappers) runs: fused / foreach / forloop
+    (torch's own default: foreach on CUDA, forloop on CPU), or the class name of a non-torch optimizer."""
+    import torch
+
+    base = _optimizer_chain(optimizer)[-1]
+    if not isinstance(base, torch.optim.Optimizer) or type(base).__module__.split(".")[0] != "torch":
+        return type(base).__name__
+    d = base.defaults
+    if d.get("fused"):
+        return "fused"
+    if d.get("foreach") is None:
+        cuda = any(p.is_cuda for g in base.param_groups for p in g["params"])
+        return "foreach" if cuda else "forloop"
+    return "foreach" if d["foreach"] else "forloop"
+
+
+def config_attention(model) -> str:
+    """The attention implementation the (possibly wrapped) model runs."""
+    inner = getattr(model, "module", model)
+    return getattr(inner.config, "_attn_implementation", None) or "eager"
+
+
+def ddp_bucket_bytes(model) -> int:
+    """Bytes of DDP's gradient buckets that MemTracker cannot see, from DDP's logging data: those allocated in
+    C++ when DDP wraps the model. DDP rebuilds them in the forward of step 2 through the dispatcher (then
+    they are counted like any tensor, and the first ones are freed), so this is 0 after the rebuild."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel) or getattr(model, "_has_rebuilt_buckets", False):
+        return 0
+    data = model._get_ddp_logging_data()
+    if data.get("gradient_as_bucket_view"):
+        return 0  # the buckets are the gradients, already counted
+    return int(data.get("total_parameter_size_bytes", 0))
+
+
+# --- the worker: one rank of `accelerate launch -m hfscale.profile` (or a plain process) ------------
+
+
+def _parse(argv):
+    from .hosts import PRECISION_CHOICES
+
+    p = argparse.ArgumentParser(prog="python -m hfscale.profile", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory for rank{R}.json")
+    p.add_argument("--model", default="tiny-gemma3")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--checkpointing", default="off")
+    p.add_argument("--precision", default="launch", choices=PRECISION_CHOICES)
+    return p.parse_args(argv)
+
+
+def run(args) -> RankProfile:
+    import torch
+    import torch.distributed as dist
+
+    from .checkpointing import apply_checkpointing_
+    from .hosts import bf16_support, resolve_precision
+    from .models import build_model, load_config
+    from .scale.runtime import make_accelerator, make_optimizer, read_launch, set_deepspeed_micro_batch
+
+    launched = read_launch(os.environ)
+    choice = resolve_precision(args.precision, launched.precision, bf16_support("cpu" if launched.on_cpu else "cuda"),
+                               what=args.model)
+    accelerator = make_accelerator(precision=choice.precision if choice.overridden else None)
+    set_deepspeed_micro_batch(accelerator, args.micro_batch)
+    config = load_config(args.model)
+    model = build_model(args.model, seed=0)
+    apply_checkpointing_(model, args.checkpointing)
+    optimizer = make_optimizer(accelerator, model, lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    engine = wrapped.engine if wrapped is not None else None
+    zero = engine.zero_optimization_stage() if engine is not None else 0
+    offload = "none"
+    if engine is not None:
+        zc = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        offload = (zc.get("offload_optimizer") or {}).get("device", "none") or "none"
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(accelerator.device)
+    model.train()
+    prof = MemoryProfiler(model, optimizer, engine)
+    for step in range(1, args.steps + 1):
+        with prof.phase("forward", step):
+            loss = model(input_ids=ids, labels=ids).loss
+        with prof.phase("backward", step):
+            # accelerate's DeepSpeed backward also steps; the engine's own calls keep the phases apart
+            engine.backward(loss) if engine is not None else accelerator.backward(loss)
+        del loss
+        with prof.phase("optimizer", step):
+            if engine is not None:
+                engine.step()
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    extra = dict(prof.invisible_seen)
+    if prof.cuda:
+        extra["cuda_snapshot"] = prof.dump_cuda_snapshot(Path(args.out) / f"rank{rank}_cuda_snapshot.pickle")
+    return RankProfile(rank, world, "cuda" if prof.cuda else "cpu", "deepspeed" if engine is not None else str(accelerator.distributed_type).split(".")[-1],
+                       zero, offload, choice.precision, args.model, args.micro_batch, args.seq_len, args.checkpointing,
+                       config_attention(model), adamw_impl(optimizer), prof.mt.samples, prof.phases, extra)
+
+
+def main(argv=None) -> int:
+    from .atomic import write_text_atomic
+
+    args = _parse(argv)
+    prof = run(args)
+    write_text_atomic(Path(args.out) / f"rank{prof.rank}.json", json.dumps(prof.to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

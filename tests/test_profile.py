@@ -1,0 +1,89 @@
+"""`hfscale profile` (hfscale/profile.py): the measured per-rank timeline, and the plan's step peak checked
+against it inside real ranks: one process, DDP and DeepSpeed ZeRO over 2 processes (gloo, CPU)."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from conftest import ROOT
+
+SMALL = ["--steps", "3", "--micro-batch", "2", "--seq-len", "64"]
+
+
+def _profile(cli, out, *extra):
+    r = cli("profile", *SMALL, "--out", out, *extra, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads((out / "profile.json").read_text()), r
+
+
+def test_one_process_timeline_equals_the_plan(tmp_path, cli):
+    doc, r = _profile(cli, tmp_path / "p", "--precision", "fp32")
+    (row,) = doc["ranks"]
+    m, p = row["measured"], row["predicted"]
+    assert row["world"] == 1 and row["precision"] == "fp32" and row["compared"] == "device"
+    # the fake-tensor trace of transformers' own code equals the real steps but for a few scalars (at 2 x 64
+    # the real step holds one 4-byte scalar more at its peak; at 2 x 128 they are equal to the byte)
+    for key in ("phases", "phases_step1"):
+        for ph in m[key]:
+            assert abs(p[key][ph] - m[key][ph]) <= 64, (key, ph, p[key], m[key])
+    # step 1 has no AdamW moments until its optimizer step: 2 fp32 moments of 3,001,920 parameters later
+    assert m["phases"]["forward"] - m["phases_step1"]["forward"] == 8 * 3_001_920 + 216  # + step counters
+    assert sum(m["peak_breakdown"].values()) == m["peak"]
+    rank = json.loads((tmp_path / "p" / "ranks" / "rank0.json").read_text())
+    labels = {s[1] for s in rank["samples"]}
+    assert labels == {f"step {i} {ph}" for i in (1, 2, 3) for ph in ("forward", "backward", "optimizer")}
+    # gradients made in backward count as gradients (not temporaries) though each phase has its own context
+    assert any(s[2].get("gradients", 0) > 0 for s in rank["samples"] if s[1] == "step 2 backward")
+    assert max(sum(s[2].values()) for s in rank["samples"] if s[1].startswith("step 3")) == m["peak"]
+    png = (tmp_path / "p" / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    for f in ("profile.json", "timeline.png"):
+        assert stat.S_IMODE(os.stat(tmp_path / "p" / f).st_mode) == 0o666 & ~_umask()
+    assert "plan predicts" in r.stdout and ("(-0.00%)" in r.stdout or "(+0.00%)" in r.stdout)
+
+
+def _umask() -> int:
+    u = os.umask(0)
+    os.umask(u)
+    return u
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("config", ["ddp", "zero3", "zero2_offload"])
+def test_plan_matches_ranks_of_real_engines(config, tmp_path, cli):
+    """Measured inside both ranks of `accelerate launch`: DDP's buckets (C++, read from DDP), DeepSpeed's flat
+    master / gradient partitions, ZeRO-3's gathered parameters, CPU offload: the plan within 0.01% on the
+    steady peak and 0.5% on step 1 (measured: <= 0.003% / 0.24%)."""
+    doc, _ = _profile(cli, tmp_path / "p", "--config", ROOT / "accelerate_configs" / f"{config}.yaml",
+                      "--num-processes", "2", "--precision", "fp32")
+    ranks = doc["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
+    for r in ranks:
+        assert r["engine"] == ("MULTI_CPU" if config == "ddp" else "deepspeed")
+        assert r["zero"] == {"ddp": 0, "zero3": 3, "zero2_offload": 2}[config]
+        assert abs(r["error"]["peak"]) < 1e-4, r
+        assert abs(r["error"]["peak_step1"]) < 5e-3, r
+    if config == "ddp":  # DDP's first buckets are invisible to MemTracker: read from DDP, one gradient copy
+        assert ranks[0]["invisible_to_tracker"] == {"ddp_buckets": 4 * 3_001_920}
+    if config == "zero2_offload":  # measured on one memory: the device part + what offload moved to the host
+        assert ranks[0]["compared"].startswith("device + offloaded") and ranks[0]["predicted"]["offloaded_per_rank"] > 0
+    # ZeRO-3 holds a half of every partition: its steady peak is below DDP's full replica (same shape)
+    if config == "zero3":
+        p = ranks[0]["predicted"]["peak_breakdown"]
+        assert p["master_weights"] == p["param_partition"] == 4 * 1_500_960
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cli):
+    out = tmp_path / "p"
+    for args, word in ((["--steps", "0"], "--steps"), (["--checkpointing", "every:0"], "every"),
+                       (["--config", tmp_path / "missing.yaml"], "not found"), (["--model", tmp_path / "nope"], "not found")):
+        r = cli("profile", *args, "--out", out)
+        assert r.returncode == 2 and word in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+        assert not out.exists() and os.listdir(tmp_path) == []
+    out.mkdir()
+    (out / "keep").write_text("x")
+    r = cli("profile", "--out", out)
+    assert r.returncode == 2 and "--force" in r.stderr and (out / "keep").read_text() == "x"
