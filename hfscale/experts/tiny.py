@@ -66,3 +66,21 @@ def build_tiny_moe(out, config=None, steps: int = 0, seed: int = 0, jitter: bool
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return str(Path(out))
+
+
+def cached_tiny_moe(steps: int = 30, seed: int = 0, cache=None, **overrides) -> str:
+    """`build_tiny_moe(tiny_moe_config(**overrides), steps, seed)`, built once under $HFSCALE_CACHE
+    (keyed by the config and recipe) and reused: tests and benchmarks share one trained copy."""
+    import hashlib
+
+    from ..atomic import staged
+    from ..pretrained import cache_root
+
+    cfg = tiny_moe_config(**overrides)
+    key = hashlib.sha256(json.dumps([cfg.to_dict(), steps, seed], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    out = (Path(cache) if cache is not None else cache_root()) / f"tiny-gemma4-moe-{key}"
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with staged(out, directory=True) as tmp:
+            build_tiny_moe(tmp, cfg, steps=steps, seed=seed)
+    return str(out)

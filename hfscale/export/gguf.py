@@ -23,11 +23,16 @@ Gemma 3 — what llama.cpp's gemma3 loader reads (src/models/gemma3.cpp in the v
   store 1 + w.
 
 Gemma 4 — see `_hparams_gemma4` and `_check_gemma4` for the llama.cpp side of each convention.
+Gemma 4 MoE (26B-A4B's block) — see `_check_gemma4_moe`: packed experts are written as they are
+(`ffn_gate_up_exps` [E, 2I, H], `ffn_down_exps` [E, H, I]), the router's input scale and per-expert
+scales under llama.cpp's `.scale` names, the router F32. Verified in llama.cpp (llama-cpp-python
+0.3.36) on a tiny trained 26B-A4B shape: tests/test_export_gguf_moe.py.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -42,8 +47,8 @@ SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma4_text")
 # large lookup tables: llama.cpp's quantizer gives both the --token-embedding-type (llama-quant.cpp,
 # tensor_name_match_token_embd), so they follow GGUFOptions.embedding here too
 EMBEDDING_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
-GEMMA4_SUPPORTED = ("dense Gemma 4 text decoders: sliding + full attention, per-layer embeddings, shared KV, "
-                    "k=v attention, double-wide MLP, default/proportional RoPE")
+GEMMA4_SUPPORTED = ("Gemma 4 text decoders: sliding + full attention, per-layer embeddings, shared KV, "
+                    "k=v attention, double-wide MLP, default/proportional RoPE, 26B-A4B-style mixture of experts")
 
 
 def default_embed_qtype(qtype: str) -> str:
@@ -199,10 +204,22 @@ def _check_gemma4_kv_sharing(cfg, layers: list[_Layer]) -> None:
                             "sliding then full (llama.cpp reuses exactly those two caches)")
 
 
+def _check_gemma4_moe(cfg) -> None:
+    """llama.cpp's gemma4 MoE block (src/models/gemma4.cpp: build_moe_ffn with softmax gating, weight
+    normalisation on, scale 1.0) routes as transformers' Gemma4TextRouter does: softmax over all experts
+    of proj(rms_norm(h) * scale / sqrt(hidden)), top-k, renormalised to sum 1, times per_expert_scale
+    (llama.cpp multiplies each expert's output by `ffn_down_exps.scale`: the same, as the expert is
+    linear in its weight). The shared MLP and the three extra norms are read as transformers has them.
+    What the graph cannot express is refused."""
+    n, k = int(cfg.num_experts or 0), int(cfg.top_k_experts or 0)
+    if not 0 < k <= n:
+        raise _gemma4_error(f"top_k_experts={k} must be between 1 and num_experts={n}")
+
+
 def _check_gemma4(cfg) -> None:
     """Refuse what llama.cpp's gemma4 graph (src/models/gemma4.cpp) would compute differently."""
     if getattr(cfg, "enable_moe_block", False):
-        raise _gemma4_error("Gemma 4 mixture-of-experts layers (enable_moe_block, as in 26B-A4B) are not supported")
+        _check_gemma4_moe(cfg)
     if cfg.attention_bias:
         raise _gemma4_error("attention_bias=True is not supported (llama.cpp's gemma4 loads no attention biases)")
     if cfg.hidden_activation != "gelu_pytorch_tanh":
@@ -298,6 +315,10 @@ def _hparams_gemma4(w, cfg) -> None:
     w.add_sliding_window_pattern([lay.sliding for lay in layers])
     w.add_shared_kv_layers(int(cfg.num_kv_shared_layers or 0))
     w.add_embedding_length_per_layer_input(int(cfg.hidden_size_per_layer_input or 0))
+    if getattr(cfg, "enable_moe_block", False):  # every layer: shared MLP (feed_forward_length) + experts
+        w.add_expert_count(int(cfg.num_experts))
+        w.add_expert_used_count(int(cfg.top_k_experts))
+        w.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
     if cfg.final_logit_softcapping:
         w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
 
@@ -324,17 +345,32 @@ def _tensor_type(name: str, shape: tuple, opts: GGUFOptions):
     import gguf
 
     T = gguf.GGMLQuantizationType
-    if len(shape) == 1:
-        return T.F32  # norms, layer scalars, rope factors: tiny, and llama.cpp wants F32 for them
+    if len(shape) == 1 or name.endswith(F32_TENSORS):
+        return T.F32  # norms, layer scalars, rope factors: tiny, and llama.cpp wants F32 for them; routers
     want = opts.embedding if name in EMBEDDING_TENSORS else opts.qtype
     if want in ("Q8_0", "Q4_0") and shape[-1] % 32:
         want = "F16"  # ggml's block types need rows that are multiples of 32
     return T[want]
 
 
+# Gemma 4 MoE tensors gguf 0.19's TensorNameMap has no entry for, named as llama.cpp's gemma4 loader
+# looks them up (tn(LLM_TENSOR_FFN_GATE_INP, "scale", i), tn(LLM_TENSOR_FFN_DOWN_EXPS, "scale", i))
+EXTRA_NAMES = {
+    re.compile(r"model\.layers\.(\d+)\.router\.scale"): "blk.{}.ffn_gate_inp.scale",
+    re.compile(r"model\.layers\.(\d+)\.router\.per_expert_scale"): "blk.{}.ffn_down_exps.scale",
+}
+# MoE routers stay F32 at every qtype, as llama.cpp's converter and llama-quantize keep them: top-k
+# selection flips on perturbations far below Q8_0's rounding, and the tensor is n_embd x n_expert only
+F32_TENSORS = ("ffn_gate_inp.weight",)
+
+
 def _gguf_name(names, hf_name: str) -> str:
     """GGUF tensor name; parameters without a suffix (Gemma 4's `layer_scalar` buffer) get
     `.weight`, which is how llama.cpp looks them up (`blk.N.layer_output_scale.weight`)."""
+    for rx, template in EXTRA_NAMES.items():
+        m = rx.fullmatch(hf_name)
+        if m:
+            return template.format(m.group(1))
     gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if gname is None:
         raise HfscaleError(f"no GGUF name for tensor {hf_name!r}; this checkpoint layout is not supported")
