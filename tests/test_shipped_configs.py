@@ -11,7 +11,8 @@ from hfscale.scale.presets import PRESETS
 ROOT = Path(__file__).resolve().parents[1]
 YAMLS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 JSONS = sorted((ROOT / "ds_configs").glob("*.json"))
-REQUIRED = {"ddp", "zero1", "zero2", "zero3", "zero3_offload", "zero3_nvme", "fsdp2", "multinode_zero3"}
+REQUIRED = {"ddp", "zero1", "zero2", "zero3", "zero3_offload", "zero3_nvme", "fsdp2", "multinode_zero3", "zero3_sp2",
+            "fsdp2_tp2"}
 
 
 def test_every_required_config_is_shipped():
@@ -50,6 +51,32 @@ def test_yaml_loads_in_accelerate_and_shows_launch(path):
         assert (ROOT / cfg.deepspeed_config["deepspeed_config_file"]).is_file()
     if spec.engine == "fsdp2":
         assert cfg.fsdp_config["fsdp_version"] == 2
+    if spec.parallel.size > 1:
+        pc = _parallelism_config_as_launched(cfg)
+        assert (pc.sp_size, pc.tp_size, pc.cp_size) == (spec.parallel.sp, spec.parallel.tp, spec.parallel.cp)
+        assert pc.total_size == spec.launch.num_processes  # the sizes multiply to the process count
+    else:
+        assert cfg.parallelism_config == {}
+
+
+def _parallelism_config_as_launched(cfg):
+    """accelerate's own path: the YAML's parallelism_config keys become launcher arguments
+    (`launch_command_parser` defaults + the keys), the launcher exports PARALLELISM_CONFIG_* and
+    ParallelismConfig() reads them in each rank."""
+    from unittest import mock
+
+    from accelerate import ParallelismConfig
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils.launch import prepare_extend_env_parallelism_config
+
+    args = launch_command_parser().parse_args(["x.py"])
+    for key, value in cfg.parallelism_config.items():
+        assert hasattr(args, key), f"accelerate's launcher has no argument {key}"
+        setattr(args, key, value)
+    env = prepare_extend_env_parallelism_config(args, {})
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    with mock.patch.dict("os.environ", env):
+        return ParallelismConfig()
 
 
 def test_yaml_rejects_unknown_key_in_accelerate(tmp_path):

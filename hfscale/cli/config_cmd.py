@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..errors import ConfigError
 from ..scale.load import load_spec
 from ..scale.presets import PRESETS
-from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, ZERO_STAGES, Launch, ScaleSpec, Zero
+from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, SP_ATTENTION, ZERO_STAGES, Launch, ScaleSpec, Zero
 
 EXAMPLES = """examples:
   hfscale config zero3                                   # accelerate_configs/zero3.yaml + ds_configs/zero3.json
@@ -16,7 +16,11 @@ EXAMPLES = """examples:
   hfscale config zero3 --name z3_nvme --offload-optimizer nvme --offload-params cpu --nvme-path /local_nvme
   hfscale config multinode_zero3 --num-machines 4 --num-processes 32 --main-process-ip 10.1.0.7
   hfscale config --spec my_setup.yaml --out-accelerate cfg --out-deepspeed cfg
+  hfscale config zero3 --name z3_sp4 --sp 4 --num-processes 8 --model gemma-3-27b   # Ulysses SP, heads checked
+  hfscale config fsdp2 --name fsdp2_tp4 --tp 4 --num-processes 8
   hfscale config --all --force                           # regenerate every shipped file
+
+exit codes: 0 written, 2 invalid combination (one line naming the fix; nothing written)
 """
 
 
@@ -48,6 +52,11 @@ def add_parser(sub):
     p.add_argument("--main-process-ip")
     p.add_argument("--main-process-port", type=int)
     p.add_argument("--rdzv-backend", choices=RDZV_BACKENDS)
+    p.add_argument("--sp", type=int, help="sequence parallel size (DeepSpeed Ulysses; needs --zero 2/3)")
+    p.add_argument("--tp", type=int, help="tensor parallel size (transformers tp_plan; engine ddp or fsdp2)")
+    p.add_argument("--cp", type=int, help="context parallel size (torch, engine fsdp2)")
+    p.add_argument("--sp-attention", choices=SP_ATTENTION, help="attention kernel under SP (default sdpa)")
+    p.add_argument("--model", help="check sp / tp / cp against this model's heads (built-in name, config.json or directory)")
     p.add_argument("--out-accelerate", default="accelerate_configs", help="directory for the YAML, created if missing (default: %(default)s)")
     p.add_argument("--out-deepspeed", default="ds_configs", help="directory for the JSON, created if missing (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite existing files")
@@ -57,6 +66,7 @@ def add_parser(sub):
 
 ZERO_FLAGS = {"zero": "stage", "offload_optimizer": "offload_optimizer", "offload_params": "offload_params", "nvme_path": "nvme_path"}
 LAUNCH_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
+PARALLEL_FLAGS = {"sp": "sp", "tp": "tp", "cp": "cp", "sp_attention": "sp_attention"}
 TOP_FLAGS = {"engine": "engine", "precision": "precision", "grad_accum": "gradient_accumulation_steps", "clip": "gradient_clipping", "checkpointing": "gradient_checkpointing", "name": "name"}
 
 
@@ -79,12 +89,14 @@ def spec_from_args(args) -> ScaleSpec:
         src = f"preset {args.preset}" if args.preset else f"--spec {args.spec}"
         raise ConfigError(f"{src} is a DeepSpeed ZeRO-{base.zero.stage} config and --engine {args.engine} would drop "
                           f"its ZeRO settings; start from `hfscale config {args.engine}` instead")
+    par = {f: getattr(args, a) for a, f in PARALLEL_FLAGS.items() if getattr(args, a) is not None}
     if args.num_machines is not None and args.num_machines == 1 and "main_process_ip" not in launch:
         launch["main_process_ip"] = None
     # dataclasses.replace re-runs __post_init__, so every combination is validated
     z = replace(base.zero, **zero) if zero else base.zero
     lch = replace(base.launch, **launch) if launch else base.launch
-    return replace(base, zero=z, launch=lch, **top)
+    pl = replace(base.parallel, **par) if par else base.parallel
+    return replace(base, zero=z, launch=lch, parallel=pl, **top)
 
 
 def run(args) -> int:
@@ -98,6 +110,12 @@ def run(args) -> int:
         if not (args.preset or args.spec or args.engine or args.zero is not None):
             raise ConfigError(f"name a preset ({', '.join(PRESETS)}), --spec FILE, or --all")
         specs = [spec_from_args(args)]
+    if args.model:
+        from ..models import load_config
+        from ..scale.parallel import require_model_fits
+
+        for spec in specs:
+            require_model_fits(spec.parallel, load_config(args.model), args.model)
     if args.print:
         for spec in specs:
             for path, text in render_config_set(spec, args.out_accelerate, args.out_deepspeed).items():

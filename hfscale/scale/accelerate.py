@@ -67,9 +67,40 @@ def to_accelerate(spec: ScaleSpec, deepspeed_config_file: str | None = None) -> 
             "fsdp_state_dict_type": "FULL_STATE_DICT",  # a consolidated save that from_pretrained loads
             "fsdp_activation_checkpointing": mode == "full",
         }
+    block = parallelism_block(spec)
+    if block:
+        cfg["parallelism_config"] = block
     # accelerate's config file has no accumulation key (its loader refuses unknown keys): DeepSpeed's comes
     # from the JSON; for DDP / FSDP2 render_yaml states it in a comment and the training code passes it
     return cfg
+
+
+def parallelism_block(spec: ScaleSpec) -> dict:
+    """The `parallelism_config:` mapping accelerate 1.16's launcher reads (each key becomes a
+    `--parallelism_config_*` argument, exported as PARALLELISM_CONFIG_* and read by ParallelismConfig()).
+    Empty when sp = tp = cp = 1. Data parallel fills the rest of the processes:
+      DeepSpeed SP:  dp_shard = N / sp (accelerate sizes train_batch_size by it; ZeRO shards over all N)
+      FSDP2 TP / CP: dp_shard = N / (tp x cp) (FSDP shards over dp_shard x cp)
+      DDP TP:        N = tp (accelerate does not compose DDP replicas with TP)"""
+    p, n = spec.parallel, spec.launch.num_processes
+    if p.size == 1:
+        return {}
+    k = "parallelism_config_"
+    block: dict = {k + "dp_replicate_size": 1, k + "dp_shard_size": n // p.size}
+    if p.tp > 1:
+        block[k + "tp_size"] = p.tp
+    if p.cp > 1:
+        block[k + "cp_size"] = p.cp
+        block[k + "cp_backend"] = "torch"
+        block[k + "cp_comm_strategy"] = "allgather"
+    if p.sp > 1:
+        block[k + "sp_size"] = p.sp
+        block[k + "sp_backend"] = "deepspeed"
+        block[k + "sp_seq_length_is_variable"] = p.sp_seq_length is None
+        if p.sp_seq_length is not None:
+            block[k + "sp_seq_length"] = p.sp_seq_length
+        block[k + "sp_attn_implementation"] = p.sp_attention
+    return block
 
 
 def launch_command(spec: ScaleSpec, yaml_path: str, script: str = "-m hfscale.proof") -> str:
@@ -92,6 +123,14 @@ def render_yaml(spec: ScaleSpec, yaml_path: str, deepspeed_config_file: str | No
         header.append(f"# Gradient accumulation {n}: accelerate's config file has no key for it; pass Accelerator("
                       f"gradient_accumulation_steps={n}) / TrainingArguments(gradient_accumulation_steps={n}), or export "
                       f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={n}")
+    p = spec.parallel
+    if p.sp > 1:
+        header.append(f"# Sequence parallel {p.sp} (DeepSpeed Ulysses): load the model with attn_implementation="
+                      f"\"{p.sp_attention}\"; every batch needs position_ids; each rank holds 1/{p.sp} of each sequence. "
+                      "Check the model: hfscale doctor --accelerate THIS.yaml --model MODEL")
+    if p.tp > 1:
+        header.append(f"# Tensor parallel {p.tp}: load the model with from_pretrained(..., distributed_config="
+                      f"DistributedConfig(tp_plan=\"auto\", tp_size={p.tp})) before accelerator.prepare")
     if spec.launch.num_machines > 1:
         header.append("# Run the same command on every machine; MACHINE_RANK is 0..num_machines-1, MAIN_ADDR is rank 0's address.")
     body = yaml.safe_dump(to_accelerate(spec, deepspeed_config_file), sort_keys=False)

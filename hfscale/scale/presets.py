@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .spec import Launch, ScaleSpec, Zero
+from .spec import Launch, Parallel, ScaleSpec, Zero
 
 GPUS = 8  # a typical node; `--num-processes` overrides at launch
 
@@ -31,6 +31,10 @@ PRESETS: dict[str, ScaleSpec] = {
             zero=Zero(stage=3),
             launch=Launch(num_processes=2 * GPUS, num_machines=2, main_process_ip="10.0.0.1", main_process_port=29500),
         ),
+        # long context: DeepSpeed Ulysses over pairs of GPUs (4 data-parallel groups x sp 2), ZeRO-3 over all 8
+        ScaleSpec("zero3_sp2", zero=Zero(stage=3), launch=Launch(num_processes=GPUS), parallel=Parallel(sp=2)),
+        # transformers tensor parallel in pairs (tp 2) x FSDP2 over the 4 pairs
+        ScaleSpec("fsdp2_tp2", engine="fsdp2", launch=Launch(num_processes=GPUS), parallel=Parallel(tp=2)),
     ]
 }
 

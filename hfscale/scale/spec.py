@@ -25,6 +25,9 @@ DEVICES = ("none", "cpu", "nvme")
 ZERO_STAGES = (0, 1, 2, 3)
 PRECISIONS = ("bf16", "fp16", "fp32")
 RDZV_BACKENDS = ("static", "c10d")
+# attention kernels DeepSpeed Ulysses SP runs (accelerate 1.16's DeepSpeedSequenceParallelConfig refuses eager
+# and flex_attention: Ulysses drops the 4-D mask they need)
+SP_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def _positive_int(name: str, value, allow_auto: bool = False) -> None:
@@ -125,6 +128,39 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """Sequence (DeepSpeed Ulysses), tensor (transformers tp_plan / DTensor) and context (torch, FSDP2)
+    parallel sizes: the non-data-parallel dimensions of accelerate's ParallelismConfig. The data-parallel
+    size is what is left: num_processes / (sp x tp x cp)."""
+
+    sp: int = 1
+    tp: int = 1
+    cp: int = 1
+    sp_attention: str = "sdpa"  # the kernel Ulysses wraps; the model must be loaded with the same
+    sp_seq_length: int | None = None  # None: sequence length may vary between batches
+
+    def __post_init__(self):
+        for name in ("sp", "tp", "cp"):
+            _positive_int(f"parallel.{name}", getattr(self, name))
+        if self.sp > 1 and self.cp > 1:
+            raise ConfigError(f"sequence parallel (sp={self.sp}) and context parallel (cp={self.cp}) exclude each other "
+                              "in accelerate; keep one: --cp 1 (DeepSpeed Ulysses) or --sp 1 (FSDP2 context parallel)")
+        if self.sp_attention not in SP_ATTENTION:
+            raise ConfigError(f"sp_attention must be one of {', '.join(SP_ATTENTION)} (got {self.sp_attention!r}); "
+                              "Ulysses drops 4-D masks, so eager / flex_attention cannot run under it")
+        if self.sp_seq_length is not None:
+            _positive_int("parallel.sp_seq_length", self.sp_seq_length)
+            if self.sp_seq_length % self.sp:
+                raise ConfigError(f"sp_seq_length {self.sp_seq_length} is not divisible by sp {self.sp}; "
+                                  f"use a multiple of {self.sp} (each rank holds sp_seq_length / sp tokens)")
+
+    @property
+    def size(self) -> int:
+        """Processes one model replica spans (sp x tp x cp)."""
+        return self.sp * self.tp * self.cp
+
+
+@dataclass(frozen=True)
 class ScaleSpec:
     """A scaled training setup. `name` is used for file names and the header comment."""
 
@@ -136,6 +172,7 @@ class ScaleSpec:
     gradient_clipping: float = 1.0
     gradient_checkpointing: str = "off"  # off | full | every:K
     launch: Launch = field(default_factory=Launch)
+    parallel: Parallel = field(default_factory=Parallel)
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "_-." for c in self.name):
@@ -162,6 +199,41 @@ class ScaleSpec:
                 )
             if self.engine == "ddp" and z.offload_params != "none":
                 raise ConfigError("DDP keeps a full replica per rank and cannot offload; use --engine fsdp2 or deepspeed")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """What accelerate 1.16 / DeepSpeed 0.19 accept for sp / tp / cp, refused here with the value to set."""
+        p, n = self.parallel, self.launch.num_processes
+        if p.size == 1:
+            return
+        if n % p.size:
+            raise ConfigError(f"sp x tp x cp = {p.size} does not divide num_processes {n}: the sizes times the data-parallel "
+                              f"size must equal the process count; use --num-processes {p.size * max(1, n // p.size)} "
+                              f"(a multiple of {p.size})")
+        if p.sp > 1:
+            if self.engine != "deepspeed":
+                raise ConfigError(f"sequence parallel (sp={p.sp}) is DeepSpeed Ulysses in accelerate; use --engine deepspeed "
+                                  "--zero 3 (or --cp for FSDP2 context parallel)")
+            if self.zero.stage < 2:
+                raise ConfigError(f"sequence parallel needs ZeRO stage 2 or 3 (got {self.zero.stage}); use --zero 3")
+        if p.cp > 1 and self.engine != "fsdp2":
+            raise ConfigError(f"context parallel (cp={p.cp}) runs only under FSDP2 in accelerate (got engine {self.engine}); "
+                              "use --engine fsdp2, or --sp for DeepSpeed Ulysses")
+        if p.tp > 1:
+            if self.engine == "deepspeed":
+                raise ConfigError(f"tensor parallel (tp={p.tp}) is transformers' tp_plan under DDP or FSDP2 here; use "
+                                  f"--engine fsdp2 (tp x FSDP) or --engine ddp --num-processes {p.tp}")
+            if self.engine == "ddp" and n != p.tp:
+                raise ConfigError(f"accelerate cannot compose DDP replicas with tensor parallel ({n} processes, tp={p.tp}); "
+                                  f"use --num-processes {p.tp}, or --engine fsdp2 to shard the rest")
+        if self.engine == "fsdp2" and n == p.tp:
+            raise ConfigError(f"fsdp2 with tp = num_processes = {n} leaves FSDP nothing to shard (accelerate refuses it); "
+                              f"use --engine ddp, or --num-processes {2 * p.tp}")
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: num_processes / (sp x tp x cp)."""
+        return self.launch.num_processes // self.parallel.size
 
     @property
     def uses_deepspeed(self) -> bool:
