@@ -7,7 +7,7 @@ import sys
 
 from ..errors import HfscaleError
 
-SUBCOMMANDS = ("config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo", "experts")
+SUBCOMMANDS = ("config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo", "experts", "prune")
 
 
 class OneLineParser(argparse.ArgumentParser):
