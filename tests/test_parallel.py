@@ -109,3 +109,82 @@ def test_config_writes_sp_that_accelerate_reads(tmp_path, cli):
                               if k.removeprefix("parallelism_config_") in ParallelismConfig.__dataclass_fields__})
     assert (pc.sp_size, pc.dp_shard_size, pc.total_size) == (4, 2, 8)
     assert yaml.safe_load((tmp_path / "accelerate_configs" / "z3sp4.yaml").read_text())["num_processes"] == 8
+
+
+# --- doctor: one bad and one good input per N-D check -------------------------------------------------
+
+import copy  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from hfscale.doctor import check_setup  # noqa: E402
+from hfscale.doctor.inputs import Setup  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SP = yaml.safe_load((ROOT / "accelerate_configs" / "zero3_sp2.yaml").read_text())
+TP = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2_tp2.yaml").read_text())
+DS3 = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+
+
+def acc(base, **block):
+    a = copy.deepcopy(base)
+    for k, v in block.items():
+        if k == "distributed_type":
+            a[k] = v
+        elif v is None:
+            a["parallelism_config"].pop("parallelism_config_" + k, None)
+        else:
+            a["parallelism_config"]["parallelism_config_" + k] = v
+    return a
+
+
+def _model(name):
+    from hfscale.models import load_config
+    from hfscale.plan.zoo import ARCHITECTURES
+
+    return ARCHITECTURES[name]() if name in ARCHITECTURES else load_config(name)
+
+
+SDPA = acc(SP, sp_attn_implementation="sdpa")
+
+
+def M(name):
+    return dict(model_config=_model(name), model_name=name)
+
+
+DOCTOR = [
+    ("parallel-mesh", Setup(accelerate=SP, num_processes=2), Setup(accelerate=SP, num_processes=8)),
+    ("parallel-mesh", Setup(accelerate=acc(SP, dp_shard_size=None)), Setup(accelerate=acc(SP, dp_shard_size=4))),
+    ("unknown-key", Setup(accelerate=acc(SP, sp_sise=2)), Setup(accelerate=SP)),
+    ("parallel-size", Setup(accelerate=acc(SP, sp_size="2")), Setup(accelerate=SP)),
+    ("parallel-sp-cp", Setup(accelerate=acc(SP, cp_size=2, dp_shard_size=2)), Setup(accelerate=acc(SP, cp_size=None))),
+    ("sp-engine", Setup(accelerate=acc(SP, distributed_type="FSDP")), Setup(accelerate=SP)),
+    ("sp-zero", Setup(accelerate=SP, deepspeed={**DS3, "zero_optimization": {"stage": 1}}), Setup(accelerate=SP, deepspeed=DS3)),
+    ("sp-attention", Setup(accelerate=acc(SP, sp_attn_implementation="eager")), Setup(accelerate=SP)),
+    ("sp-attention-mismatch", Setup(accelerate=SP, args={"attn_implementation": "sdpa"}),
+     Setup(accelerate=SP, args={"attn_implementation": "flash_attention_2"})),
+    ("cp-engine", Setup(accelerate=acc(TP, tp_size=None, cp_size=2, distributed_type="DEEPSPEED")),
+     Setup(accelerate=acc(TP, tp_size=None, cp_size=2))),
+    ("tp-engine", Setup(accelerate=acc(TP, distributed_type="DEEPSPEED")), Setup(accelerate=TP)),
+    ("tp-no-plan", Setup(accelerate=TP, **M("falcon")), Setup(accelerate=TP, **M("llama"))),
+    ("tp-kv-heads", Setup(accelerate=acc(TP, tp_size=8, dp_shard_size=1), num_processes=8, **M("gemma-4-31b")),
+     Setup(accelerate=acc(TP, tp_size=4, dp_shard_size=2), num_processes=8, **M("gemma-4-31b"))),
+    ("sp-sliding-window", Setup(accelerate=SDPA, **M("tiny-gemma3")), Setup(accelerate=SDPA, args={"sp_window_sdpa": True}, **M("tiny-gemma3"))),
+    ("sp-sliding-window", Setup(accelerate=SDPA, **M("tiny-gemma3")), Setup(accelerate=SP, **M("tiny-gemma3"))),
+    ("sp-mixed-heads", Setup(accelerate=SP, **M("gemma-4-31b")), Setup(accelerate=SP, **M("gemma-3-27b"))),
+    ("cp-mask", Setup(accelerate=acc(TP, tp_size=None, cp_size=2), **M("gemma-3-27b")),
+     Setup(accelerate=acc(TP, tp_size=None, cp_size=2), **M("llama"))),
+]
+
+
+@pytest.mark.parametrize("code, bad, good", DOCTOR, ids=[c[0] for c in DOCTOR])
+def test_doctor_nd_check_fires_on_bad_and_not_on_good(code, bad, good):
+    found = [f for f in check_setup(bad) if f.code == code]
+    assert found, f"{code} not found"
+    assert found[0].fix.startswith(("set ", "did you mean", "launch ", "use ")), found[0].fix
+    assert code not in {f.code for f in check_setup(good)}
+
+
+def test_doctor_mesh_fix_is_the_exact_value():
+    f = next(f for f in check_setup(Setup(accelerate=SP, num_processes=4)) if f.code == "parallel-mesh")
+    assert f.fix == "set parallelism_config_dp_shard_size: 2"

@@ -8,6 +8,7 @@ arguments, the model and the launch shape, in one pass, before a job burns clust
 from __future__ import annotations
 
 from .checks import CHECKS
+from . import parallel as _parallel  # noqa: F401,E402  (registers the N-D parallelism checks)
 from .findings import Finding, render_table
 from .inputs import Setup, load_setup
 

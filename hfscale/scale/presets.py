@@ -31,8 +31,10 @@ PRESETS: dict[str, ScaleSpec] = {
             zero=Zero(stage=3),
             launch=Launch(num_processes=2 * GPUS, num_machines=2, main_process_ip="10.0.0.1", main_process_port=29500),
         ),
-        # long context: DeepSpeed Ulysses over pairs of GPUs (4 data-parallel groups x sp 2), ZeRO-3 over all 8
-        ScaleSpec("zero3_sp2", zero=Zero(stage=3), launch=Launch(num_processes=GPUS), parallel=Parallel(sp=2)),
+        # long context: DeepSpeed Ulysses over pairs of GPUs (4 data-parallel groups x sp 2), ZeRO-3 over all 8;
+        # flash_attention_2 because Ulysses drops the mask and only flash keeps Gemma's sliding window
+        ScaleSpec("zero3_sp2", zero=Zero(stage=3), launch=Launch(num_processes=GPUS),
+                  parallel=Parallel(sp=2, sp_attention="flash_attention_2")),
         # transformers tensor parallel in pairs (tp 2) x FSDP2 over the 4 pairs
         ScaleSpec("fsdp2_tp2", engine="fsdp2", launch=Launch(num_processes=GPUS), parallel=Parallel(tp=2)),
     ]
