@@ -7,7 +7,7 @@ import sys
 
 from ..errors import HfscaleError
 
-SUBCOMMANDS = ("config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo", "experts", "prune")
+SUBCOMMANDS = ("config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo", "experts", "prune", "bench")
 
 
 class OneLineParser(argparse.ArgumentParser):
