@@ -38,6 +38,9 @@ def add_parser(sub):
     p.add_argument("--quant", choices=list(QUANT_BYTES_PER_PARAM), help="inference weights (default: bf16)")
     p.add_argument("--batch", type=int, help="inference batch (default: 1)")
     p.add_argument("--context", type=int, help="inference context tokens (default: --seq-len)")
+    p.add_argument("--ram-budget", help="MoE: RAM for cached experts when streaming them (hfscale experts), e.g. 4GB")
+    p.add_argument("--routing-blocks", type=int, help="MoE: measure routing on this many calibration blocks with the "
+                   "model's weights (local directory) instead of assuming uniform routing")
     p.add_argument("--gpus-per-node", type=int)
     # hardware: with --gpus-per-node, strategies are ranked for it; the other hardware flags need it
     p.add_argument("--nodes", type=int, help="nodes (default: 1)")
@@ -60,7 +63,7 @@ def _refuse_ignored_flags(args) -> None:
     from ..errors import HfscaleError
 
     for needs, flags in (("--gpus-per-node", ("nodes", "gpu_mem", "cpu_mem", "global_batch_tokens")),
-                         ("--inference", ("quant", "batch", "context"))):
+                         ("--inference", ("quant", "batch", "context", "ram_budget", "routing_blocks"))):
         if getattr(args, needs[2:].replace("-", "_")) in (None, False):
             given = [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f) is not None]
             if given:
@@ -124,6 +127,11 @@ def run(args) -> int:
         if args.batch < 1 or (args.context is not None and args.context < 1):
             raise HfscaleError(f"--batch and --context must be at least 1 (got {args.batch}, {args.context})")
         out["inference"] = inference_bytes(d, args.quant, args.batch, args.context or args.seq_len)
+        from ..plan.moe_serving import for_cli
+
+        moe = for_cli(args, d, out["inference"]["kv_cache"], hw.gpu_mem if hw else None)
+        if moe is not None:
+            out["moe_serving"] = moe.as_dict()
     rows = best = None
     if hw:
         tokens = args.global_batch_tokens or args.micro_batch * args.seq_len * hw.world
@@ -163,6 +171,10 @@ def run(args) -> int:
             i = out["inference"]
             print(f"inference ({args.quant}, batch {args.batch}, context {args.context or args.seq_len}): weights {_gb(i['weights'])} GB"
                   f" + KV cache {_gb(i['kv_cache'])} GB = {_gb(i['total'])} GB")
+            if "moe_serving" in out:
+                from ..plan.moe_serving import lines
+
+                print("\n".join(lines(moe)))
         if rows:
             basis = "traced step peak" if traced else "analytic total"
             print(f"\ncandidates on {hw.nodes}x{hw.gpus_per_node} GPUs of {hw.gpu_mem / 1e9:.0f} GB (peak = {basis} x 1.1 + context):")
