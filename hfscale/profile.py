@@ -58,6 +58,7 @@ class RankProfile:
     samples: list[Sample]
     phases: list[dict]
     extra: dict = field(default_factory=dict)  # bytes MemTracker cannot see (DDP's buckets), CUDA's numbers
+    grad_accum: int = 1
 
     @property
     def peak_step1(self) -> int:
@@ -176,9 +177,32 @@ class MemoryProfiler:
         if self.cuda:
             entry["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
             entry["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
-        self.phases[step - 1][name] = entry
+        old = self.phases[step - 1].get(name)
+        if old is None or entry["bytes"] > old["bytes"]:  # accumulation: the largest of the micro batches
+            self.phases[step - 1][name] = entry
         if name == "optimizer":
             self.mt.reset_mod_stats()  # MemTracker tracks one call per module between resets
+
+    def result(self, accelerator, optimizer, model_name: str, micro_batch: int, seq_len: int, checkpointing: str,
+               precision: str, snapshot_dir: str | os.PathLike | None = None, grad_accum: int = 1) -> RankProfile:
+        """This rank's RankProfile (on CUDA the allocator snapshot goes to snapshot_dir/rank{R}_cuda_snapshot.pickle)."""
+        import torch.distributed as dist
+
+        engine = deepspeed_engine(accelerator)
+        zero = engine.zero_optimization_stage() if engine is not None else 0
+        offload = "none"
+        if engine is not None:
+            zc = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+            offload = (zc.get("offload_optimizer") or {}).get("device", "none") or "none"
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        extra = dict(self.invisible_seen)
+        if self.cuda and snapshot_dir is not None:
+            extra["cuda_snapshot"] = self.dump_cuda_snapshot(Path(snapshot_dir) / f"rank{rank}_cuda_snapshot.pickle")
+        kind = "deepspeed" if engine is not None else str(accelerator.distributed_type).split(".")[-1]
+        return RankProfile(rank, world, "cuda" if self.cuda else "cpu", kind, zero, offload, precision, model_name,
+                           micro_batch, seq_len, checkpointing, config_attention(self.model), adamw_impl(optimizer),
+                           self.mt.samples, self.phases, extra, grad_accum)
 
     def dump_cuda_snapshot(self, path: str | os.PathLike) -> str | None:
         """PyTorch's allocator snapshot (open it at https://pytorch.org/memory_viz); None on CPU."""
@@ -192,6 +216,33 @@ class MemoryProfiler:
             torch.cuda.memory._dump_snapshot(str(stage))
         torch.cuda.memory._record_memory_history(enabled=None)
         return str(path)
+
+
+def deepspeed_engine(accelerator):
+    """The DeepSpeed engine accelerate prepared, or None."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return wrapped.engine if wrapped is not None else None
+
+
+def backward(accelerator, loss) -> None:
+    """`accelerator.backward(loss)` without the optimizer step accelerate's DeepSpeed backward also runs, so a
+    loop has separate backward and optimizer phases (with `optimizer_step`); the same calls in the same order."""
+    engine = deepspeed_engine(accelerator)
+    if engine is None:
+        accelerator.backward(loss)
+        return
+    engine.set_gradient_accumulation_boundary(is_boundary=accelerator.sync_gradients)
+    engine.backward(loss)
+
+
+def optimizer_step(accelerator, optimizer) -> None:
+    """optimizer.step() + zero_grad() (skipped by accelerate between accumulation boundaries); DeepSpeed's step."""
+    engine = deepspeed_engine(accelerator)
+    if engine is None:
+        optimizer.step()
+        optimizer.zero_grad()
+    elif accelerator.sync_gradients:
+        engine.step()
 
 
 def adamw_impl(optimizer) -> str:
@@ -231,6 +282,55 @@ def ddp_bucket_bytes(model) -> int:
     return int(data.get("total_parameter_size_bytes", 0))
 
 
+def predict(config, r: dict) -> dict:
+    """The plan's traced prediction (`hfscale.plan.peak.step_prediction`) for what rank report `r` ran;
+    {"error": why} where the trace refuses."""
+    from .errors import HfscaleError
+    from .plan.peak import step_prediction
+    from .plan.trace import ADAMW
+
+    precision = {"fp16": "bf16"}.get(r["precision"], r["precision"])  # same bytes per element
+    adamw = r["adamw"] if r["adamw"] in ADAMW else "fused"  # DeepSpeed's own optimizers step in place, like fused
+    try:
+        return step_prediction(config, r["micro_batch"], r["seq_len"], precision, r["attention"], r["checkpointing"],
+                               grad_accum=r.get("grad_accum", 1), zero=r["zero"], dp=r["world"], offload=r["offload"], engine=r["engine"], adamw=adamw)
+    except HfscaleError as e:
+        return {"error": str(e)}
+
+
+def write_report(directory: str | os.PathLike, reports: list[dict], config, title: str) -> list[dict]:
+    """profile.json (per rank: measured, predicted, error) and timeline.png into `directory` from the rank
+    reports; `config` None skips the prediction. Returns the per-rank rows."""
+    from .atomic import write_text_atomic
+    from .plan.plot import plot_timeline
+
+    pred = None if config is None else predict(config, reports[0])
+    rows = []
+    for r in reports:
+        m = RankProfile.from_dict(r).summary()
+        row = {"rank": r["rank"], "world": r["world"], "device": r["device"], "engine": r["engine"], "zero": r["zero"],
+               "precision": r["precision"], "measured": m, "invisible_to_tracker": r["extra"]}
+        if pred and "peak" in pred:
+            row["predicted"] = {k: pred[k] for k in ("peak", "peak_step1", "phases", "phases_step1", "peak_breakdown",
+                                                     "offloaded_per_rank")}
+            # on a CPU host, offloaded states live in the memory the tracker counts: compare device + host
+            both = r["device"] == "cpu" and pred["offloaded_per_rank"] > 0
+            row["compared"] = "device + offloaded (one memory on a CPU host)" if both else "device"
+            steady = pred["phases_with_host"] if both else pred["phases"]
+            step1 = pred["phases_step1_with_host"] if both else pred["phases_step1"]
+            row["compared_peak"], row["compared_peak_step1"] = max(steady.values()), max(step1.values())
+            row["error"] = {"peak": row["compared_peak"] / m["peak"] - 1,
+                            "peak_step1": row["compared_peak_step1"] / m["peak_step1"] - 1}
+        rows.append(row)
+    r0 = reports[0]
+    doc = {"model": r0["model"], "steps": len(r0["phases"]), "micro_batch": r0["micro_batch"], "seq_len": r0["seq_len"],
+           "checkpointing": r0["checkpointing"], "ranks": rows,
+           "prediction_error": pred.get("error") if pred else None}
+    write_text_atomic(Path(directory) / "profile.json", json.dumps(doc, indent=1))
+    plot_timeline(reports, str(Path(directory) / "timeline.png"), title, predicted=(pred or {}).get("peak"))
+    return rows
+
+
 # --- the worker: one rank of `accelerate launch -m hfscale.profile` (or a plain process) ------------
 
 
@@ -250,7 +350,6 @@ def _parse(argv):
 
 def run(args) -> RankProfile:
     import torch
-    import torch.distributed as dist
 
     from .checkpointing import apply_checkpointing_
     from .hosts import bf16_support, resolve_precision
@@ -267,38 +366,20 @@ def run(args) -> RankProfile:
     apply_checkpointing_(model, args.checkpointing)
     optimizer = make_optimizer(accelerator, model, lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
-    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
-    engine = wrapped.engine if wrapped is not None else None
-    zero = engine.zero_optimization_stage() if engine is not None else 0
-    offload = "none"
-    if engine is not None:
-        zc = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        offload = (zc.get("offload_optimizer") or {}).get("device", "none") or "none"
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(accelerator.device)
     model.train()
-    prof = MemoryProfiler(model, optimizer, engine)
+    prof = MemoryProfiler(model, optimizer, deepspeed_engine(accelerator))
     for step in range(1, args.steps + 1):
         with prof.phase("forward", step):
             loss = model(input_ids=ids, labels=ids).loss
         with prof.phase("backward", step):
-            # accelerate's DeepSpeed backward also steps; the engine's own calls keep the phases apart
-            engine.backward(loss) if engine is not None else accelerator.backward(loss)
+            backward(accelerator, loss)
         del loss
         with prof.phase("optimizer", step):
-            if engine is not None:
-                engine.step()
-            else:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    extra = dict(prof.invisible_seen)
-    if prof.cuda:
-        extra["cuda_snapshot"] = prof.dump_cuda_snapshot(Path(args.out) / f"rank{rank}_cuda_snapshot.pickle")
-    return RankProfile(rank, world, "cuda" if prof.cuda else "cpu", "deepspeed" if engine is not None else str(accelerator.distributed_type).split(".")[-1],
-                       zero, offload, choice.precision, args.model, args.micro_batch, args.seq_len, args.checkpointing,
-                       config_attention(model), adamw_impl(optimizer), prof.mt.samples, prof.phases, extra)
+            optimizer_step(accelerator, optimizer)
+    return prof.result(accelerator, optimizer, args.model, args.micro_batch, args.seq_len, args.checkpointing,
+                       choice.precision, snapshot_dir=args.out)
 
 
 def main(argv=None) -> int:

@@ -87,3 +87,38 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cli):
     (out / "keep").write_text("x")
     r = cli("profile", "--out", out)
     assert r.returncode == 2 and "--force" in r.stderr and (out / "keep").read_text() == "x"
+
+
+@pytest.mark.engine
+def test_recipe_profile_memory(tmp_path):
+    """recipes/train_clm.py --profile-memory 3 under ZeRO-2 on 2 processes, 2 micro batches per step: every rank's
+    timeline and the report land in OUTPUT_DIR/memory; the plan is within 1% on rank 0 (measured -0.69%:
+    DeepSpeed's two gradient buckets, 2 x hidden^2 elements, alive in the second micro batch's backward, are not
+    modelled). Rank 1 peaks 7.5% higher in that backward (its gradient partition fills differently): a known gap."""
+    import subprocess
+    import sys
+
+    from hfscale.proof import free_port
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml"),
+           "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
+           str(ROOT / "recipes" / "train_clm.py"), "--config", str(ROOT / "recipes" / "tiny" / "train.yaml"),
+           "--output-dir", str(out), "--max-steps", "3", "--profile-memory", "3", "--seq-len", "64",
+           "--global-batch-tokens", "512", "--micro-batch", "2", "--eval-every", "0", "--save-every", "0",
+           "--progress", "false", "--checkpointing", "off", "--precision", "fp32"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    mem = out / "memory"
+    assert sorted(p.name for p in mem.iterdir()) == ["profile.json", "rank0.json", "rank1.json", "timeline.png"]
+    doc = json.loads((mem / "profile.json").read_text())
+    assert [x["rank"] for x in doc["ranks"]] == [0, 1] and doc["steps"] == 3
+    rank = json.loads((mem / "rank0.json").read_text())
+    assert rank["grad_accum"] == 2 and rank["zero"] == 2 and rank["world"] == 2
+    r0 = doc["ranks"][0]
+    assert abs(r0["error"]["peak"]) < 0.01, (r0["error"], r0["measured"]["phases"], r0["predicted"]["phases"])
+    # rank 1 holds more in the second micro batch's backward (measured 60.7 vs 56.6 MiB): not modelled yet, and
+    # reported per rank rather than hidden; the plan under-predicts it
+    assert doc["ranks"][1]["measured"]["peak"] >= r0["measured"]["peak"]
+    assert "[memory] steady peak" in r.stdout

@@ -62,28 +62,11 @@ def _check(args):
     return config
 
 
-def predict(config, r: dict):
-    """The plan's traced prediction for what rank report `r` ran (None where the trace refuses)."""
-    from ..errors import HfscaleError
-    from ..plan.peak import step_prediction
-
-    from ..plan.trace import ADAMW
-
-    precision = {"fp16": "bf16"}.get(r["precision"], r["precision"])  # same bytes per element
-    adamw = r["adamw"] if r["adamw"] in ADAMW else "fused"  # DeepSpeed's own optimizers step in place, like fused
-    try:
-        return step_prediction(config, r["micro_batch"], r["seq_len"], precision, r["attention"], r["checkpointing"],
-                               zero=r["zero"], dp=r["world"], offload=r["offload"], engine=r["engine"], adamw=adamw)
-    except HfscaleError as e:
-        return {"error": str(e)}
-
-
 def run(args) -> int:
     from pathlib import Path
 
-    from ..atomic import begin_stage, check_writable, commit, discard, write_text_atomic
-    from ..plan.plot import plot_timeline
-    from ..profile import RankProfile, main as worker
+    from ..atomic import begin_stage, check_writable, commit, discard
+    from ..profile import main as worker, write_report
     from ..proof import launch
 
     config = _check(args)
@@ -99,33 +82,10 @@ def run(args) -> int:
         else:
             worker(["--out", str(stage / "ranks"), "--precision", args.precision, *extra])
             reports = [json.loads((stage / "ranks" / "rank0.json").read_text())]
-        pred = None if args.no_predict else predict(config, reports[0])
-        rows = []
-        for r in reports:
-            m = RankProfile.from_dict(r).summary()
-            row = {"rank": r["rank"], "world": r["world"], "device": r["device"], "engine": r["engine"], "zero": r["zero"],
-                   "precision": r["precision"], "measured": m, "invisible_to_tracker": r["extra"]}
-            if pred and "peak" in pred:
-                row["predicted"] = {k: pred[k] for k in ("peak", "peak_step1", "phases", "phases_step1", "peak_breakdown",
-                                                         "offloaded_per_rank")}
-                # on a CPU host, offloaded states live in the memory the tracker counts: compare device + host
-                both = r["device"] == "cpu" and pred["offloaded_per_rank"] > 0
-                row["compared"] = "device + offloaded (one memory on a CPU host)" if both else "device"
-                steady = pred["phases_with_host"] if both else pred["phases"]
-                step1 = pred["phases_step1_with_host"] if both else pred["phases_step1"]
-                row["compared_peak"], row["compared_peak_step1"] = max(steady.values()), max(step1.values())
-                row["error"] = {"peak": row["compared_peak"] / m["peak"] - 1,
-                                "peak_step1": row["compared_peak_step1"] / m["peak_step1"] - 1}
-            rows.append(row)
-        doc = {"model": args.model, "steps": args.steps, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-               "checkpointing": args.checkpointing, "config": args.config, "ranks": rows,
-               "prediction_error": pred.get("error") if pred else None}
-        write_text_atomic(stage / "profile.json", json.dumps(doc, indent=1))
         name = Path(args.config).stem if args.config else "1 process"
-        plot_timeline(reports, str(stage / "timeline.png"),
-                      f"{args.model}, {name}, micro batch {args.micro_batch} x {args.seq_len}, "
-                      f"{reports[0]['precision']}, checkpointing {args.checkpointing}",
-                      predicted=(pred or {}).get("peak"))
+        rows = write_report(stage, reports, None if args.no_predict else config,
+                            f"{args.model}, {name}, micro batch {args.micro_batch} x {args.seq_len}, "
+                            f"{reports[0]['precision']}, checkpointing {args.checkpointing}")
         commit(stage, out)
     except BaseException:
         discard(stage)

@@ -39,13 +39,16 @@ class TrainConfig:
     doctor: bool = True  # run hfscale doctor's checks on the launch config first
     max_train_blocks: int = 0  # 0 = all packed training sequences
     progress: bool = True
+    # > 0: record the memory timeline of the first N steps (hfscale.profile) into OUTPUT_DIR/memory:
+    # rank{R}.json per rank, profile.json (measured vs the plan's prediction) and timeline.png
+    profile_memory: int = 0
     extra: dict = field(default_factory=dict, compare=False)  # recipe YAML notes (ignored)
 
     def __post_init__(self):
         for name in ("seq_len", "global_batch_tokens", "micro_batch", "max_steps", "eval_blocks", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        for name in ("eval_every", "save_every", "warmup_steps", "max_train_blocks"):
+        for name in ("eval_every", "save_every", "warmup_steps", "max_train_blocks", "profile_memory"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
         if not self.lr > 0:

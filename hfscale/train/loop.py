@@ -39,7 +39,7 @@ class Preflight:
 
 
 # what a run writes under OUTPUT_DIR (QAT adds the last two); --force replaces them
-RUN_OUTPUTS = ("checkpoints", "model", "metrics.jsonl", "recipe.json", "quantized", "quality.json")
+RUN_OUTPUTS = ("checkpoints", "model", "metrics.jsonl", "recipe.json", "memory", "quantized", "quality.json")
 
 
 def check_run_outputs(cfg) -> None:
@@ -134,7 +134,7 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:
         if force and resume is None:
-            for old in (out / "checkpoints", out / "model", out / "metrics.jsonl"):
+            for old in (out / "checkpoints", out / "model", out / "metrics.jsonl", out / "memory"):
                 shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
         gone = ckpts.clean_partial()
         out.mkdir(parents=True, exist_ok=True)
@@ -193,36 +193,75 @@ def resume_from(accelerator, resume, tag: str) -> int:
     return meta["step"]
 
 
+def write_memory_profile(accelerator, prof, optimizer, cfg, plan) -> None:
+    """OUTPUT_DIR/memory: every rank's timeline, then (main rank) the report against the plan's prediction."""
+    from ..atomic import write_text_atomic
+    from ..models import load_config
+    from ..profile import write_report
+
+    out = Path(cfg.output_dir) / "memory"
+    res = prof.result(accelerator, optimizer, cfg.model, plan.micro_batch, cfg.seq_len, cfg.checkpointing,
+                      run_precision(accelerator), snapshot_dir=out, grad_accum=plan.accum)
+    write_text_atomic(out / f"rank{res.rank}.json", json.dumps(res.to_dict()))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(res.world)]
+        rows = write_report(out, reports, load_config(cfg.model),
+                            f"{cfg.model}, {res.engine} zero {res.zero} x {res.world}, micro batch {plan.micro_batch} x "
+                            f"{cfg.seq_len}, {res.precision}, checkpointing {cfg.checkpointing}")
+        err = rows[0].get("error", {}).get("peak")
+        print(f"[memory] steady peak {rows[0]['measured']['peak'] / 2**20:.1f} MiB per rank"
+              + (f", plan {err:+.2%}" if err is not None else "") + f"; wrote {out}/profile.json and timeline.png", flush=True)
+
+
+def run_precision(accelerator) -> str:
+    """The precision the prepared run computes in (DeepSpeed's bf16/fp16 blocks, else accelerate's mixed precision)."""
+    engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+    if engine is not None:
+        return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    return {"no": "fp32"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
+
+
 def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start: int,
                 meta: dict, loss_fn=lm_loss, tag: str = "train_clm") -> None:
     """Steps start..max_steps: accumulate, clip (DeepSpeed clips per its JSON), log, evaluate, checkpoint.
     Progress: a tqdm bar, or with progress off (logs, the demo) a `[tag] step N/M` line every tenth of the run."""
+    import contextlib
+
     import torch
     from tqdm.auto import tqdm
 
+    from ..profile import MemoryProfiler, backward, deepspeed_engine, optimizer_step
     from .batching import rank_indices
     from .metrics import peak_memory_bytes
     from .state import fault
 
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
     model.train()
+    prof = MemoryProfiler(model, optimizer, deepspeed_engine(accelerator)) if cfg.profile_memory else None
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", disable=not (accelerator.is_main_process and cfg.progress))
     for step in range(start, cfg.max_steps):
         t0, c0 = time.perf_counter(), time.process_time()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        profiled = prof is not None and step - start < cfg.profile_memory
+        phase = (lambda name: prof.phase(name, step - start + 1)) if profiled else (lambda name: contextlib.nullcontext())
         for micro in range(plan.accum):
             idx = rank_indices(plan, len(train_blocks), cfg.seed, step, micro, accelerator.process_index)
             batch = train_blocks[idx].to(accelerator.device)
             with accelerator.accumulate(model):
-                loss = loss_fn(model, batch)
-                accelerator.backward(loss)
+                with phase("forward"):
+                    loss = loss_fn(model, batch)
+                with phase("backward"):  # accelerator.backward, but DeepSpeed's step comes in optimizer_step
+                    backward(accelerator, loss)
                 if accelerator.sync_gradients and not deepspeed:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+                with phase("optimizer"):
+                    optimizer_step(accelerator, optimizer)
             step_loss += loss.detach().double() / plan.accum
+        if profiled and step - start + 1 == cfg.profile_memory:
+            write_memory_profile(accelerator, prof, optimizer, cfg, plan)
         # one collective per step: every rank's mean loss (-> the global-batch loss) and its peak memory
         peak, kind = peak_memory_bytes()
         mine = torch.stack([step_loss, torch.tensor(float(peak), dtype=torch.float64, device=step_loss.device)])
