@@ -9,6 +9,10 @@ EPILOG = """examples:
   hfscale plan --model gemma-3-12b --seq-len 4096 --micro-batch 1 --gpus-per-node 8 --nodes 2 --gpu-mem 80GB \\
                --global-batch-tokens 1048576 --plot plan.png --write plan_cfg
   hfscale plan --model path/to/config.json --seq-len 2048 --micro-batch 4 --json
+  hfscale plan --model gemma-3-27b --seq-len 131072 --micro-batch 1 --gpus-per-node 8 --gpu-mem 80GB --write long/
+  hfscale plan --model gemma-3-27b --seq-len 131072 --micro-batch 1 --zero 3 --sp 8 --checkpointing full
+
+exit codes: 0 prediction (or a fitting pick), 1 nothing fits (says by how much), 2 invalid input (one line)
 """
 
 
@@ -41,6 +45,9 @@ def add_parser(sub):
     p.add_argument("--ram-budget", help="MoE: RAM for cached experts when streaming them (hfscale experts), e.g. 4GB")
     p.add_argument("--routing-blocks", type=int, help="MoE: measure routing on this many calibration blocks with the "
                    "model's weights (local directory) instead of assuming uniform routing")
+    p.add_argument("--sp", type=int, help="sequence parallel size (DeepSpeed Ulysses); with hardware: plan only this size")
+    p.add_argument("--tp", type=int, help="tensor parallel size (transformers tp_plan); with hardware: plan only this size")
+    p.add_argument("--cp", type=int, help="context parallel size (torch, FSDP2); with hardware: plan only this size")
     p.add_argument("--gpus-per-node", type=int)
     # hardware: with --gpus-per-node, strategies are ranked for it; the other hardware flags need it
     p.add_argument("--nodes", type=int, help="nodes (default: 1)")
@@ -70,6 +77,39 @@ def _refuse_ignored_flags(args) -> None:
                 raise HfscaleError(f"{given[0]} is only used with {needs} (it would be ignored); add {needs} or drop {given[0]}")
 
 
+def _parallel_sizes(args, config):
+    """--sp / --tp / --cp as a validated Parallel, checked against the model's heads (SP assumed on flash
+    attention, as on GPUs); HfscaleError (exit 2) with the value to set."""
+    from ..errors import HfscaleError
+    from ..scale.parallel import require_model_fits
+    from ..scale.spec import Parallel
+
+    sp, tp, cp = (1 if v is None else v for v in (args.sp, args.tp, args.cp))
+    par = Parallel(sp=sp, tp=tp, cp=cp, sp_attention="flash_attention_2")
+    if sp > 1 and tp > 1:
+        raise HfscaleError("--sp (DeepSpeed Ulysses) and --tp (transformers TP under FSDP2) do not compose in accelerate; drop one")
+    if args.gpus_per_node is not None and par.size > args.gpus_per_node:
+        raise HfscaleError(f"sp x tp x cp = {par.size} spans more than one node of {args.gpus_per_node} GPUs; use sizes whose "
+                           f"product is at most {args.gpus_per_node}")
+    if args.gpus_per_node is not None and (args.gpus_per_node * (args.nodes or 1)) % par.size:
+        raise HfscaleError(f"sp x tp x cp = {par.size} does not divide the {args.gpus_per_node * (args.nodes or 1)} GPUs; "
+                           "use sizes whose product divides the GPU count")
+    if par.size > 1:
+        require_model_fits(par, config, args.model, seq_len=args.seq_len)
+    return par
+
+
+def _no_sp_note(args, config, sizes) -> str:
+    """Why no sequence-parallel candidate was planned, when the model rules it out."""
+    if args.sp is not None or any(sp > 1 for sp, _, _ in sizes):
+        return ""
+    from ..scale.parallel import model_problems
+    from ..scale.spec import Parallel
+
+    errs = [p for p in model_problems(Parallel(sp=2, sp_attention="flash_attention_2"), config) if p.severity == "error"]
+    return f"; sequence parallel is no candidate: {errs[0].what}" if errs else ""
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f}"
 
@@ -95,10 +135,11 @@ def run(args) -> int:
         raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
     check_writable({args.write: "--write", args.plot: "--plot"}, args.force, inputs={args.model: "--model"})
     config = load_config(args.model)
-    dp = args.dp if args.dp is not None else (hw.world if hw else 1)  # --dp 0 is refused, not made 1
+    par = _parallel_sizes(args, config)
+    dp = args.dp if args.dp is not None else (hw.world // par.size if hw else 1)  # --dp 0 is refused, not made 1
     s = Strategy(zero=args.zero, dp=dp, precision=args.precision, optimizer=args.optimizer, offload=args.offload,
                  checkpointing=args.checkpointing, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                 attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits)
+                 attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits, sp=par.sp, tp=par.tp, cp=par.cp)
     try:
         d = dims_from_config(config)
     except HfscaleError as e:  # an architecture without analytic formulas: the trace alone answers
@@ -107,6 +148,8 @@ def run(args) -> int:
                                "the step is traced from transformers' own code instead") from None
         d = None
     why_not = "not asked (--trace)" if not args.trace else untraceable(s)
+    if why_not is None and par.size > 1:
+        why_not = "the trace runs one process: sp / tp / cp are planned analytically (hfscale.plan.parallel)"
     traced = (lambda strat, accum=1: for_strategy(config, strat, accum)) if why_not is None else None
     out = {"model": args.model, "params": None, "strategy": s.label, "prediction": predict(d, s) if d else {}}
     if traced:
@@ -136,18 +179,22 @@ def run(args) -> int:
     if hw:
         tokens = args.global_batch_tokens or args.micro_batch * args.seq_len * hw.world
         layers = config.get_text_config().num_hidden_layers
+        from ..plan.parallel import parallel_options
+
+        sizes = parallel_options(config, hw, args.seq_len, args.sp, args.tp, args.cp)
         try:
-            rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention, step_peak=traced, layers=layers)
+            rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention, step_peak=traced, layers=layers,
+                              parallel=sizes)
         except TraceError as e:  # a candidate the trace cannot run: rank all on the analytic terms, and say so
             if d is None:
                 raise
-            rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention, layers=layers)
+            rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention, layers=layers, parallel=sizes)
             out["candidates_not_traced"], traced = str(e), None
         best = pick(rows)
         out["candidates"] = rows
         out["pick"] = best
         if best is None:
-            out["nothing_fits"] = shortfall(rows, hw)
+            out["nothing_fits"] = shortfall(rows, hw) + _no_sp_note(args, config, sizes)
     if args.json:
         print(json.dumps(out))
     else:

@@ -82,6 +82,9 @@ class Strategy:
     attention: str = "sdpa"  # sdpa / flash (fused) | eager (saves the S² probabilities)
     lora_rank: int = 0  # > 0: LoRA adapters on every decoder linear, base frozen
     base_bits: int = 16  # 16 (LoRA) or 4 (QLoRA, NF4 base)
+    sp: int = 1  # sequence parallel (DeepSpeed Ulysses); dp counts replicas, so world = dp x sp x tp x cp
+    tp: int = 1  # tensor parallel (transformers tp_plan)
+    cp: int = 1  # context parallel (torch, FSDP2)
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -104,10 +107,13 @@ class Strategy:
             parse_checkpointing(self.checkpointing)
         except ValueError as e:
             raise HfscaleError(str(e)) from None
+        if min(self.sp, self.tp, self.cp) < 1 or (self.sp > 1 and self.cp > 1):
+            raise HfscaleError("--sp, --tp and --cp must be at least 1, and --sp and --cp exclude each other")
 
     @property
     def label(self) -> str:
         parts = ["DDP" if self.zero == 0 else f"ZeRO-{self.zero}"]
+        parts += [f"{k.upper()}{v}" for k, v in (("sp", self.sp), ("tp", self.tp), ("cp", self.cp)) if v > 1]
         if self.lora_rank:
             parts.append(f"{'QLoRA' if self.base_bits == 4 else 'LoRA'}-r{self.lora_rank}")
         if self.offload != "none":
@@ -412,6 +418,10 @@ def inference_bytes(d: Dims, quant: str, batch: int, context: int) -> dict:
 
 def predict(d: Dims, s: Strategy) -> dict:
     """Per-rank bytes (integers) for one strategy: the JSON `prediction` object."""
+    if s.sp * s.tp * s.cp > 1:
+        from .parallel import predict_parallel
+
+        return predict_parallel(d, s)
     states = model_state_bytes(d, s)
     act = activation_bytes(d, s.micro_batch, s.seq_len, s.precision, s.checkpointing, s.attention)
     total = states["weights"] + states["gradients"] + states["optimizer"] + states["zero3_live"] + act["total"] + act["recompute_working"]

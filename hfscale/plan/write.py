@@ -30,7 +30,7 @@ def write_plan(row: dict, hw, out: Path, force: bool = False, model: str | None 
     files[out / "training_args.yaml"] = header + yaml.safe_dump(args, sort_keys=False)
     if model and seq_len:
         recipe = {"model": model, "seq_len": seq_len, "micro_batch": row["micro_batch"],
-                  "global_batch_tokens": row["micro_batch"] * row["grad_accum"] * hw.world * seq_len,
+                  "global_batch_tokens": row["micro_batch"] * row["grad_accum"] * row.get("dp", hw.world) * seq_len,
                   "checkpointing": row["checkpointing"], "precision": "launch"}
         files[out / "recipe.yaml"] = (
             f"# accelerate launch --config_file {out / (spec.name + '.yaml')} recipes/train_clm.py --config {out / 'recipe.yaml'}\n"
