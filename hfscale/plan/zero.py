@@ -9,16 +9,21 @@ P trainable elements, d bytes per parameter element: 4 fp32, 2 bf16; A = 8P, Ada
   optimizer     the fp32 gradient partition 4P/N; the base optimizer runs on one flat partition, so
   phase         torch AdamW's forloop / foreach temporaries are 2 x 4P/N (fused and DeepSpeed's own
                 optimizers: none); stages 1-2 hold the whole d*P parameters, stage 3 none gathered
-  stage 1-2     whole parameters d*P; gradients in backward whole at stage 1, 1/N at stage 2
-  stage 3       the parameter partition d*P/N and the flat gradient-partition buffer 4P/N (fp32
-                runs; bf16: 2P/N) from the start, plus the reduce bucket (reduce_bucket_size elements,
+  stage 1-2     whole parameters d*P; gradients in backward whole at stage 1; at stage 2, once the first
+                bucket is reduced, the gradient partition d*P/N, two reduce buffers (overlap_comm) and the
+                gradients of the bucket being filled (3 x reduce_bucket_size elements; with full checkpointing
+                ranks 0 / 1 of the tiny model measured 1.7% / 2.8% more: the buckets are partition-dependent)
+  stage 3       gradients in backward 1/N; the parameter partition d*P/N and the flat gradient-partition
+                buffer 4P/N (fp32 runs; bf16: 2P/N) from the start, plus the reduce bucket (reduce_bucket_size elements,
                 accelerate's "auto" = hidden^2); in steady forward / backward every parameter stays
                 gathered while the model has fewer elements than stage3_max_reuse_distance (1e9 by
                 default: DeepSpeed keeps a parameter it will use again within that many), else the
                 largest module's parameters and gradients (2x) are gathered at a time
 
 Measured on CPU against `hfscale profile` inside 2 ranks (tiny Gemma 3, fp32 and bf16, forloop AdamW):
-equal to within bytes on the steady phases of ZeRO-1, 2 and 3 (benchmarks/results/step_peak.md).
+within 0.003% on the steady peaks of ZeRO-1, 2 and 3 and with offload without checkpointing, and on ZeRO-3
+every:2; ZeRO-2 with checkpointing or gradient accumulation -0.2% to -7.5% (rank 1 holds more in backward
+than rank 0: per-rank partition effects not modelled); all in benchmarks/results/step_peak.md.
 Step 1 of ZeRO-3 releases parameters after use (nothing is traced yet): none gathered at the peaks.
 CPU offload (DeepSpeedCPUAdam, in place): AdamW's moments, the master and fp32 gradient partitions
 (and at stage 3 the parameter partition, at stages 1-2 an fp32 staging buffer of the largest parameter)
@@ -70,7 +75,13 @@ def deepspeed_phases(tr: StepTrace, zero: int, dp: int, offload: str, hidden: in
         k = _phase_kinds(tr, phase, steady, grad_accum)
         kinds = {n: k.get(n, 0) for n in ("activations", "temporaries", "buffers")}
         grads = k.get("gradients", 0)
-        kinds["gradients"] = grads if zero <= 1 else -(-grads // N)
+        if zero <= 1:
+            kinds["gradients"] = grads
+        elif zero == 3:  # the flat gradient-partition buffer is allocated up front (below)
+            kinds["gradients"] = -(-grads // N)
+        elif grads:  # stage 2: once a bucket was reduced, the whole gradient partition exists, beside the two
+            # overlap_comm buffers and the gradients of the bucket being filled (reduce_bucket_size elements each)
+            kinds["gradients"] = d * part + 3 * hidden * hidden * d
         if zero == 3:
             # step 1 releases each module's parameters after use: at the forward peak (the loss) and the backward
             # peak (its start) none were gathered on the measured rows
@@ -78,7 +89,10 @@ def deepspeed_phases(tr: StepTrace, zero: int, dp: int, offload: str, hidden: in
         else:
             kinds["parameters"] = k.get("parameters", 0)
         kinds[where + "optimizer"] = states if steady else 0
-        out[phase] = {**kinds, **fixed}
+        held = dict(fixed)
+        if off and zero == 3 and not steady:  # stage 3 allocates its pinned fp32 gradient partition in step 1's step
+            held.pop(HOST + "grad_partition")
+        out[phase] = {**kinds, **held}
     opt = {"buffers": _phase_kinds(tr, "optimizer", steady, grad_accum).get("buffers", 0),
            where + "optimizer": states,  # step 1 creates them in this phase
            "optimizer_temporaries": 0 if off or adamw == "fused" else 2 * 4 * part, **fixed}
