@@ -33,7 +33,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .plan.tracker import KINDS, Sample, step_tracker
+from .plan.tracker import Sample, phase_peak, step_tracker
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -168,12 +168,10 @@ class MemoryProfiler:
         with self.mt:
             self.mt.sample()
             yield
-        peak = self.mt.get_tracker_snapshot("peak")
-        dev = max(peak.values(), key=lambda d: d["Total"]) if peak else {"Total": 0}
-        breakdown = {KINDS.get(getattr(k, "value", k), str(k)): int(v) for k, v in dev.items() if k != "Total" and v}
+        peak = phase_peak(self.mt)
         invisible = {k: v for k, v in {"ddp_buckets": ddp_bucket_bytes(self.model)}.items() if v}
         self.invisible_seen.update(invisible)
-        entry = {"bytes": int(dev["Total"]) + sum(invisible.values()), "breakdown": {**breakdown, **invisible}}
+        entry = {"bytes": peak.bytes + sum(invisible.values()), "breakdown": {**peak.breakdown, **invisible}}
         if self.cuda:
             entry["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
             entry["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
