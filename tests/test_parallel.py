@@ -171,6 +171,8 @@ DOCTOR = [
      Setup(accelerate=acc(TP, tp_size=4, dp_shard_size=2), num_processes=8, **M("gemma-4-31b"))),
     ("sp-sliding-window", Setup(accelerate=SDPA, **M("tiny-gemma3")), Setup(accelerate=SDPA, args={"sp_window_sdpa": True}, **M("tiny-gemma3"))),
     ("sp-sliding-window", Setup(accelerate=SDPA, **M("tiny-gemma3")), Setup(accelerate=SP, **M("tiny-gemma3"))),
+    ("tp-accumulation", Setup(accelerate=TP, args={"gradient_accumulation_steps": 4}, **M("tiny-gemma3")),
+     Setup(accelerate=TP, args={"gradient_accumulation_steps": 1}, **M("tiny-gemma3"))),
     ("sp-mixed-heads", Setup(accelerate=SP, **M("gemma-4-31b")), Setup(accelerate=SP, **M("gemma-3-27b"))),
     ("cp-mask", Setup(accelerate=acc(TP, tp_size=None, cp_size=2), **M("gemma-3-27b")),
      Setup(accelerate=acc(TP, tp_size=None, cp_size=2), **M("llama"))),
@@ -188,3 +190,60 @@ def test_doctor_nd_check_fires_on_bad_and_not_on_good(code, bad, good):
 def test_doctor_mesh_fix_is_the_exact_value():
     f = next(f for f in check_setup(Setup(accelerate=SP, num_processes=4)) if f.code == "parallel-mesh")
     assert f.fix == "set parallelism_config_dp_shard_size: 2"
+
+
+# --- planner -------------------------------------------------------------------------------------------
+
+
+def test_plan_memory_with_sp_tp():
+    from hfscale.models import load_config
+    from hfscale.plan.dims import dims_from_config
+    from hfscale.plan.memory import Strategy, activation_bytes, predict
+    from hfscale.plan.parallel import params_per_tp_rank
+
+    d = dims_from_config(load_config("gemma-3-27b"))
+    base = dict(zero=3, seq_len=65536, checkpointing="full")
+    one, sp8 = predict(d, Strategy(dp=32, **base)), predict(d, Strategy(dp=4, sp=8, **base))
+    # SP: ZeRO still shards over all 32 ranks, activations are those of S/8 tokens, plus the all-to-all buffers
+    assert sp8["weights"] == one["weights"] and sp8["optimizer"] == one["optimizer"]
+    assert sp8["activations"] == activation_bytes(d, 1, 65536 // 8, "bf16", "full")["total"]
+    assert sp8["parallel_buffers"]["sp_all_to_all"] > 0 and sp8["total"] < one["total"] / 4
+    # TP: the split linears / tp, embeddings and norms replicated
+    tp4 = predict(d, Strategy(dp=8, tp=4, **base))
+    assert d.params / 4 < params_per_tp_rank(d, 4) < d.params / 3
+    assert tp4["params_per_rank"] == params_per_tp_rank(d, 4)
+
+
+def test_plan_json_carries_sp_tp_cp_and_write_emits_parallelism(tmp_path, cli):
+    import json
+
+    r = cli("plan", "--model", "gemma-3-27b", "--seq-len", "131072", "--micro-batch", "1", "--gpus-per-node", "8",
+            "--nodes", "4", "--gpu-mem", "80GB", "--json", "--write", tmp_path / "w")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for row in out["candidates"] + [out["pick"]]:
+        assert all(isinstance(row[k], int) and row[k] >= 1 for k in ("sp", "tp", "cp", "dp", "micro_batch"))
+        assert isinstance(row["zero"], int)
+    assert {(r["sp"], r["tp"]) for r in out["candidates"]} >= {(1, 1), (2, 1), (8, 1), (1, 4)}
+    assert out["pick"]["sp"] == 8 and out["pick"]["dp"] * out["pick"]["sp"] == 32
+    y = yaml.safe_load(next((tmp_path / "w").glob("plan.yaml")).read_text())
+    assert y["parallelism_config"]["parallelism_config_sp_size"] == 8
+    assert y["parallelism_config"]["parallelism_config_dp_shard_size"] == 4
+
+
+def test_plan_gemma4_256k_says_by_how_much_nothing_fits(cli):
+    r = cli("plan", "--model", "gemma-4-31b", "--seq-len", "262144", "--micro-batch", "1", "--gpus-per-node", "8",
+            "--nodes", "4", "--gpu-mem", "80GB")
+    assert r.returncode == 1, r.stderr
+    assert "nothing fits" in r.stdout and "GB over 80 GB" in r.stdout and "sequence parallel is no candidate" in r.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--sp", "3"], "set sp to one of"),
+    (["--sp", "2", "--tp", "2"], "do not compose"),
+    (["--tp", "16", "--gpus-per-node", "8"], "more than one node"),
+])
+def test_plan_refuses_bad_sizes(tmp_path, cli, args, needle):
+    r = cli("plan", "--model", "gemma-3-27b", "--seq-len", "4096", "--micro-batch", "1", *args, cwd=tmp_path)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []

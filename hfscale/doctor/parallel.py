@@ -141,13 +141,16 @@ def parallel_model(s: Setup) -> Iterator[Finding]:
                        sp_attention=attn if isinstance(attn, str) and attn in ("sdpa", "flash_attention_2", "flash_attention_3") else "sdpa")
         seq = as_int(get(s.args or {}, "seq_len"))
         window = get(s.args or {}, "sp_window_sdpa") is True
-        problems = model_problems(par, s.model_config, seq_len=seq, window_sdpa=window)
+        accum = [as_int(get(d or {}, "gradient_accumulation_steps")) for d in (s.deepspeed, s.args)]
+        problems = model_problems(par, s.model_config, seq_len=seq, window_sdpa=window,
+                                  grad_accum=max((a for a in accum if a), default=None))
     except Exception:  # noqa: BLE001 - a model config doctor cannot read is reported elsewhere, never a crash
         return
     keys = {"sp": "sp_size", "tp": "tp_size", "cp": "cp_size"}
     for p in problems:
         key = "sp_attn_implementation" if p.code == "sp-sliding-window" else keys[p.code.split("-")[0]]
-        yield Finding(p.code, p.severity, _acc(s, f"parallelism_config.{PREFIX}{key}"), f"{s.model_name}: {p.what}", p.fix)
+        where = _args(s, "gradient_accumulation_steps") if p.code == "tp-accumulation" else _acc(s, f"parallelism_config.{PREFIX}{key}")
+        yield Finding(p.code, p.severity, where, f"{s.model_name}: {p.what}", p.fix)
 
 
 __all__ = ["parallelism_keys", "parallel_mesh", "parallel_engine", "parallel_model", "MISSING"]

@@ -8,7 +8,8 @@ With sp x tp x cp ranks per replica and dp replicas (world = dp x sp x tp x cp):
     4 CPU ranks sp 2 -> seq_dp_world_size 4). Buffers: the all-to-all of q, k, v in and the output back,
     send + receive: 2 e (T/sp)(2q + 2kv) d, one layer at a time.
   tensor parallel (transformers tp_plan, colwise q/k/v/gate/up, rowwise o/down): those weights, their gradients
-    and optimizer state are split by tp; embeddings, norms and the lm_head are replicated. Saved activations:
+    and optimizer state are split by tp, and so is the lm_head (by vocabulary; tied: the embedding); norms are
+    replicated. Saved activations:
     the per-head and MLP-width tensors divide by tp (heads/tp, kv/tp, I/tp), the hidden-size ones (T x h: norms,
     residual, the layer inputs of checkpointed layers) and the logits are replicated. ZeRO / FSDP shards over dp.
     Buffer: the rowwise outputs' all-reduce, 2 e T h.
@@ -38,8 +39,10 @@ def layer_linear_params(d: Dims) -> int:
 
 
 def params_per_tp_rank(d: Dims, tp: int) -> int:
-    """Parameters one TP rank holds: the split linears / tp + everything replicated."""
-    split = layer_linear_params(d)
+    """Parameters one TP rank holds: the split linears / tp + everything replicated. The CausalLM's own plan
+    splits lm_head by vocabulary ("colwise_gather_output"), which for a tied model is the embedding itself
+    (measured: the tiny Gemma 3's embed_tokens holds 2,048 of 4,096 rows per rank at tp 2)."""
+    split = layer_linear_params(d) + d.vocab * d.hidden
     return d.params - split + split // tp
 
 

@@ -9,7 +9,9 @@ What the engines do, read from the installed code (DeepSpeed 0.19.8, accelerate 
     for every layer; the wrapper sets attention_mask = None for sdpa / flash, so sdpa runs every layer causal
     over the whole sequence (a sliding window is lost; flash_attention_2 receives sliding_window itself).
   Transformers TP (base_model_tp_plan): q/k/v/gate/up colwise, o/down rowwise, so heads, every KV head
-    count and the MLP width must divide by tp.
+    count and the MLP width must divide by tp. Its "replicated_with_grad_allreduce" norms (Gemma's q_norm /
+    k_norm) all-reduce param.grad in a post-accumulate-grad hook, so gradient accumulation counts earlier
+    micro batches twice (measured on 2 CPU ranks; tests/test_parallel_engine.py).
   Torch CP (accelerate cp_backend="torch"): sdpa with is_causal only; no windowed or custom masks.
 """
 
@@ -73,7 +75,8 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def model_problems(parallel, config, seq_len: int | None = None, window_sdpa: bool = False) -> list[Problem]:
+def model_problems(parallel, config, seq_len: int | None = None, window_sdpa: bool = False,
+                   grad_accum: int | None = None) -> list[Problem]:
     """Every reason `parallel` cannot run `config` correctly. `window_sdpa`: the launch registers
     hfscale.scale.ulysses.use_window_sdpa (sliding windows rebuilt from position_ids under Ulysses)."""
     h = heads(config)
@@ -115,6 +118,13 @@ def model_problems(parallel, config, seq_len: int | None = None, window_sdpa: bo
             if kv % tp:
                 out.append(Problem("tp-kv-heads", "error", f"{kv} KV heads ({kind} layers) do not divide by tp={tp} "
                                    "(k_proj / v_proj are split by columns)", f"set tp to one of {_divisors(kv)}"))
+        allreduced = sorted(k for k, v in h.tp_plan.items() if v == "replicated_with_grad_allreduce")
+        if allreduced and grad_accum and grad_accum > 1:
+            out.append(Problem("tp-accumulation", "error",
+                               f"transformers 5.24 all-reduces the gradients of {', '.join(allreduced)} in a post-accumulate "
+                               f"hook, on the accumulated gradient: with {grad_accum} accumulation steps the earlier micro "
+                               "batches are summed again (measured: q_norm / k_norm gradients off by 19-39% with 2 steps, "
+                               "exact with 1)", "set gradient_accumulation_steps: 1 (raise the micro batch instead)"))
         if h.intermediate and h.intermediate % tp:
             out.append(Problem("tp-mlp", "error", f"MLP width {h.intermediate} does not divide by tp={tp}",
                                f"set tp to a divisor of {h.intermediate}"))

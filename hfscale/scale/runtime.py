@@ -79,6 +79,7 @@ def make_accelerator(precision: str | None = None, **kwargs):
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     handlers = list(kwargs.pop("kwargs_handlers", None) or [])
     if cpu_only_host() and launched > 1:
+        _refuse_parallel_on_cpu(os.environ, deepspeed)
         if fsdp:
             raise HfscaleError(
                 "accelerate does not apply FSDP on a CPU-only host (each rank would train unsharded); "
@@ -106,6 +107,21 @@ def make_accelerator(precision: str | None = None, **kwargs):
             f"{launched} were launched; each rank would train alone"
         )
     return accelerator
+
+
+def _refuse_parallel_on_cpu(environ, deepspeed: bool) -> None:
+    """accelerate 1.16 applies a parallelism_config only under FSDP2, DeepSpeed or a multi-GPU/accelerator type;
+    on a CPU-only host it raises at Accelerator() (MULTI_CPU). DeepSpeed Ulysses SP does run here (gloo)."""
+    from ..errors import HfscaleError
+
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return
+    sizes = {k: int(environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1") or 1) for k in ("tp", "cp")}
+    if any(v > 1 for v in sizes.values()) or not deepspeed:
+        raise HfscaleError(
+            f"accelerate does not apply tp_size / cp_size on a CPU-only host ({sizes}; it accepts a parallelism_config "
+            "only under GPU DDP, FSDP2 or DeepSpeed); run TP / CP on GPUs, or here load the model with "
+            "DistributedConfig(tp_plan=\"auto\") under a launch without parallelism_config (hfscale.parallel_proof --mode tp)")
 
 
 def set_deepspeed_precision(ds_config: dict, precision: str) -> dict:
