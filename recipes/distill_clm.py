@@ -1,0 +1,132 @@
+"""Distil a student (a pruned model) from its teacher (the unpruned model), then save and report.
+
+    hfscale prune runs/tiny/model --params 0.5x --out runs/tiny_half          # the student
+    accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 2 \
+        recipes/distill_clm.py --config recipes/tiny/distill.yaml --model runs/tiny_half --teacher runs/tiny/model
+
+    # after a crash or preemption, the same command with:   --resume latest
+    # then, to llama.cpp Q4_0 (prune -> distill -> QAT -> GGUF):
+    accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 2 recipes/qat_clm.py \
+        --config recipes/tiny/qat.yaml --model runs/tiny_distill/model --scheme q4_0 --output-dir runs/tiny_distill_qat
+    hfscale quantize runs/tiny_distill_qat/quantized --format gguf --qtype Q4_0 --out student-Q4_0.gguf
+
+Loss per next-token position: (1 - ce_weight) x T^2 x KL(teacher || student at temperature T) +
+ce_weight x cross-entropy on the data (hfscale.train.distill). The teacher is frozen, in eval mode,
+replicated on every rank; the student trains under whatever the accelerate config says (DDP,
+DeepSpeed ZeRO-1/2/3). Writes OUTPUT_DIR/metrics.jsonl (train loss = the distillation loss; eval
+records carry the held-out CE and KL to the teacher, at step 0 and every eval_every steps),
+OUTPUT_DIR/checkpoints/step_N (--resume latest), OUTPUT_DIR/model (consolidated, from_pretrained
+loads it) and OUTPUT_DIR/quality.json (teacher / student-before / student-after perplexity and KL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    from hfscale.train.config import add_override_args
+    from hfscale.train.distill import DistillRecipeConfig
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="recipe YAML (recipes/<family>/distill.yaml)")
+    p.add_argument("--force", action="store_true", help="start over in an OUTPUT_DIR that already holds a run")
+    add_override_args(p, DistillRecipeConfig)
+    args = p.parse_args(argv)
+    return args.config, {k: v for k, v in vars(args).items() if k not in ("config", "force")}, args.force
+
+
+def main(argv=None) -> int:
+    from hfscale.errors import HfscaleError
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config_path, overrides, force = parse_args(argv)
+        from hfscale.models import load_config
+        from hfscale.train.config import load_recipe
+        from hfscale.train.distill import DistillRecipeConfig, check_pair
+        from hfscale.train.loop import preflight
+
+        cfg = load_recipe(config_path, overrides, cls=DistillRecipeConfig)
+        check_pair(load_config(cfg.model), load_config(cfg.teacher), cfg.teacher)
+        pre = preflight(cfg, force, source=config_path)
+    except HfscaleError as e:
+        if rank == 0:
+            print(f"distill_clm: error: {e}", file=sys.stderr)
+        return 2
+    return train(cfg, force, pre)
+
+
+def train(cfg, force, pre) -> int:
+    from hfscale.models import build_model, load_tokenizer
+    from hfscale.scale.runtime import make_optimizer
+    from hfscale.train.distill import heldout_kl, kd_loss_fn, load_teacher
+    from hfscale.train.loop import evaluate, load_blocks, resume_from, start_run, train_steps
+    from hfscale.train.metrics import MetricsLog
+    from hfscale.train.state import model_fingerprint, save_final
+
+    plan, data, ckpts, resume = pre.plan, pre.data, pre.ckpts, pre.resume
+    # --- launch: process group (gloo on CPU hosts), clean output dir, batch arithmetic ---
+    accelerator = start_run(cfg, force, pre, tag="distill_clm")
+    main_rank = accelerator.is_main_process
+    out = Path(cfg.output_dir)
+
+    # --- data: the student's tokenizer (pruning keeps the vocabulary) ---
+    tokenizer = load_tokenizer(cfg.model)
+    train_blocks, val_blocks = load_blocks(cfg, tokenizer, data)
+
+    # --- models: trainable student, frozen replicated teacher ---
+    model = build_model(cfg.model, seed=cfg.seed)
+    teacher = load_teacher(cfg.teacher, accelerator.device)
+    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    n_student = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    n_teacher = sum(p.numel() for p in teacher.parameters())
+    if main_rank:
+        print(f"[distill_clm] student {cfg.model}: {n_student:,} params; teacher {cfg.teacher}: {n_teacher:,} params "
+              f"(frozen, replicated); KL weight {1 - cfg.ce_weight:g} at T={cfg.temperature:g}, CE weight {cfg.ce_weight:g}")
+    start = resume_from(accelerator, resume, "distill_clm")
+    log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
+    meta = {"model": cfg.model, "teacher": cfg.teacher, "model_fingerprint": model_fingerprint(pre.model_config),
+            "world": plan.world, "tokens_per_step": plan.tokens_per_step}
+
+    def eval_record(step: int, **extra) -> dict:
+        ce = evaluate(model, accelerator, val_blocks, plan.micro_batch)
+        kl = heldout_kl(model, teacher, accelerator, val_blocks, plan.micro_batch, cfg.temperature)
+        rec = {"kind": "eval", "step": step, "loss": ce, "ppl": math.exp(ce), "kl": kl, **extra}
+        log.write(rec)
+        return rec
+
+    # --- train: the student before any step is the baseline the report compares with ---
+    first = eval_record(start, start=True)
+    train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start, meta,
+                kd_loss_fn(teacher, cfg), tag="distill_clm")
+
+    # --- evaluate and save (consolidated: ZeRO shards gathered on the main rank) ---
+    last = eval_record(cfg.max_steps, final=True)
+    teacher_ce = evaluate(teacher, accelerator, val_blocks, plan.micro_batch)
+    saved = save_final(accelerator, model, tokenizer, out / "model")
+    if main_rank:
+        from hfscale.atomic import write_text_atomic
+
+        report = {"teacher": cfg.teacher, "student": cfg.model, "steps": cfg.max_steps, "world": accelerator.num_processes,
+                  "tokens_per_step": plan.tokens_per_step, "eval_tokens": int(val_blocks[:, 1:].numel()),
+                  "params": {"teacher": n_teacher, "student": n_student},
+                  "perplexity": {"teacher": math.exp(teacher_ce), "student_start": first["ppl"], "student_end": last["ppl"]},
+                  "kl_to_teacher": {"start_step": first["step"], "start": first["kl"], "end": last["kl"]},
+                  "resumed_at": start or None}
+        write_text_atomic(out / "quality.json", json.dumps(report, indent=1) + "\n")
+        print(f"[distill_clm] held-out perplexity: teacher {math.exp(teacher_ce):.2f}, student {first['ppl']:.2f} "
+              f"(step {first['step']}) -> {last['ppl']:.2f}; KL to teacher {first['kl']:.4f} -> {last['kl']:.4f}")
+        print(f"[distill_clm] saved {saved['path']}: {saved['numel']:,} parameter elements, {saved['bytes'] / 1e6:.1f} MB")
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
