@@ -69,21 +69,40 @@ def kd_loss_fn(teacher, cfg):
 
 
 def heldout_kl(model, teacher, accelerator, val, micro_batch: int, temperature: float = 1.0) -> float:
-    """Mean per-token KL(teacher || student) at T over the held-out blocks; every rank an equal share."""
+    """Mean per-token T^2 x KL(teacher || student) over the held-out blocks, each rank an equal share
+    (hfscale.train.loop.evaluate, scoring the KL instead of the data's cross-entropy)."""
+    from .loop import evaluate
+
+    return evaluate(_KLProbe(model, teacher, temperature), accelerator, val, micro_batch)
+
+
+def _probe_base():
     import torch
 
-    from ..compress.qat import distillation_loss
+    return torch.nn.Module
 
-    world, rank = accelerator.num_processes, accelerator.process_index
-    share = len(val) // world
-    mine = val[rank * share : (rank + 1) * share]
-    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    model.eval()
-    with torch.no_grad():
-        for i in range(0, share, micro_batch):
-            b = mine[i : i + micro_batch].to(accelerator.device)
-            kl = distillation_loss(model(input_ids=b).logits, teacher(input_ids=b).logits, b, 1.0, temperature)
-            total += torch.tensor([kl.item() * len(b), len(b)], dtype=torch.float64, device=total.device)
-    model.train()
-    total = accelerator.reduce(total, reduction="sum")
-    return float(total[0] / total[1])
+
+class _KLProbe(_probe_base()):
+    """Looks like a causal LM to loop.evaluate: `.loss` is the student's KL to the teacher on the batch.
+    train()/eval() switch the student only; the teacher stays in eval mode."""
+
+    def __init__(self, student, teacher, temperature: float):
+        super().__init__()
+        self.student, self.temperature = student, temperature
+        object.__setattr__(self, "teacher", teacher)  # not a submodule: train() must not reach it
+
+    def train(self, mode: bool = True):
+        self.student.train(mode)
+        return self
+
+    def forward(self, input_ids, labels=None):
+        import types
+
+        import torch
+
+        from ..compress.qat import distillation_loss
+
+        with torch.no_grad():
+            t = self.teacher(input_ids=input_ids).logits
+        return types.SimpleNamespace(loss=distillation_loss(self.student(input_ids=input_ids).logits, t, input_ids,
+                                                            1.0, self.temperature))
