@@ -5,6 +5,10 @@
 
     # after a crash or preemption, the same command with:   --resume latest
 
+    # long context, DeepSpeed Ulysses over the 2 ranks (the model's heads are checked before it loads):
+    hfscale config zero3 --name zero3_sp2_cpu --sp 2 --num-processes 2 --sp-attention sdpa
+    accelerate launch --config_file accelerate_configs/zero3_sp2_cpu.yaml recipes/train_clm.py --config recipes/tiny/train.yaml
+
 Every setting lives in hfscale.train.config.TrainConfig; a recipe YAML sets them and `--key value`
 overrides one (`--seq-len 256`). The run writes OUTPUT_DIR/metrics.jsonl (one line per step and
 per evaluation), OUTPUT_DIR/checkpoints/step_N (accelerate state, last K kept) and finally
@@ -43,21 +47,51 @@ def main(argv=None) -> int:
 
         cfg = load_recipe(config_path, overrides)
         pre = preflight(cfg, force, source=config_path)
+        parallel = check_parallel(cfg, pre)
     except HfscaleError as e:
         if rank == 0:
             print(f"train_clm: error: {e}", file=sys.stderr)
         return 2
-    return train(cfg, force, pre)
+    return train(cfg, force, pre, parallel)
 
 
-def train(cfg, force, pre) -> int:
+def check_parallel(cfg, pre):
+    """sp / tp / cp from the launch's parallelism_config, checked against the model before it loads (heads,
+    sliding windows: on sdpa the window is rebuilt under SP by hfscale.scale.ulysses.use_window_sdpa)."""
+    from hfscale.scale.parallel import require_model_fits
+    from hfscale.scale.runtime import refuse_parallel_on_cpu
+    from hfscale.scale.ulysses import launch_parallel
+
+    parallel = launch_parallel(os.environ)
+    if parallel.size > 1:
+        refuse_parallel_on_cpu(os.environ)
+        if parallel.tp > 1 or parallel.cp > 1:
+            from hfscale.errors import HfscaleError
+
+            raise HfscaleError(f"train_clm runs data and sequence parallelism; this launch asks for tp {parallel.tp} / cp "
+                               f"{parallel.cp}: use an accelerate config with --sp (hfscale config zero3 --sp N), or load "
+                               "the model with DistributedConfig(tp_plan=\"auto\") in your own script")
+        require_model_fits(parallel, pre.model_config, cfg.model, seq_len=cfg.seq_len, window_sdpa=True)
+    return parallel
+
+
+def train(cfg, force, pre, parallel) -> int:
     from hfscale.models import build_model, load_tokenizer
     from hfscale.scale.runtime import make_optimizer
     from hfscale.checkpointing import apply_checkpointing_
-    from hfscale.train.loop import evaluate, load_blocks, resume_from, start_run, train_steps
+    from hfscale.train.loop import evaluate, lm_loss, load_blocks, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint, save_final
 
+    data_rank = None
+    if parallel.sp > 1:  # one SP group reads one data-parallel share: the batch plan counts groups, not ranks
+        import dataclasses
+
+        from hfscale.train.batching import plan_batch
+
+        pre = dataclasses.replace(pre, plan=plan_batch(cfg.global_batch_tokens, cfg.seq_len, pre.plan.world // parallel.sp,
+                                                       cfg.micro_batch))
+        data_rank = int(os.environ.get("RANK", "0")) // parallel.sp  # DeepSpeed's SP groups are consecutive ranks
     plan, data, ckpts, resume = pre.plan, pre.data, pre.ckpts, pre.resume
     # --- launch: process group (gloo on CPU hosts), clean output dir, batch arithmetic ---
     accelerator = start_run(cfg, force, pre, tag="train_clm")
@@ -70,9 +104,20 @@ def train(cfg, force, pre) -> int:
 
     # --- model ---
     model = build_model(cfg.model, seed=cfg.seed)
+    loss_fn = lm_loss
+    if parallel.sp > 1:  # Ulysses wraps the kernel the model runs: the same one, window-aware where it is sdpa
+        from deepspeed.utils import groups
+
+        from hfscale.scale.ulysses import sp_lm_loss, use_window_sdpa
+
+        model.config._attn_implementation = parallel.sp_attention
+        if parallel.sp_attention == "sdpa":
+            use_window_sdpa()
     layers = apply_checkpointing_(model, cfg.checkpointing)
     optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if parallel.sp > 1:
+        loss_fn = sp_lm_loss(groups._get_sequence_parallel_group())
     if main_rank:
         print(f"[train_clm] {cfg.model}: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} params, "
               f"{len(train_blocks):,} train / {len(val_blocks)} eval sequences, checkpointed layers {layers or 'none'}")
@@ -82,7 +127,8 @@ def train(cfg, force, pre) -> int:
             "tokens_per_step": plan.tokens_per_step}
 
     # --- train ---
-    train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start, meta)
+    train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start, meta, loss_fn=loss_fn,
+                data_rank=data_rank)
 
     # --- evaluate and save ---
     ev = evaluate(model, accelerator, val_blocks, plan.micro_batch)

@@ -247,3 +247,22 @@ def test_plan_refuses_bad_sizes(tmp_path, cli, args, needle):
     r = cli("plan", "--model", "gemma-3-27b", "--seq-len", "4096", "--micro-batch", "1", *args, cwd=tmp_path)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"PARALLELISM_CONFIG_SP_SIZE": "3", "ACCELERATE_USE_DEEPSPEED": "true"}, "set sp to one of 1, 2, 4"),
+    ({"PARALLELISM_CONFIG_SP_SIZE": "2"}, "runs under DeepSpeed only"),
+])
+def test_recipe_refuses_a_bad_parallel_launch_before_the_model_loads(tmp_path, env, needle):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "recipes" / "train_clm.py"), "--config", str(root / "recipes" / "tiny" / "train.yaml"),
+                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_PARALLELISM_CONFIG": "true", **env})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("train_clm:")]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -35,6 +35,10 @@ PRESETS: dict[str, ScaleSpec] = {
         # flash_attention_2 because Ulysses drops the mask and only flash keeps Gemma's sliding window
         ScaleSpec("zero3_sp2", zero=Zero(stage=3), launch=Launch(num_processes=GPUS),
                   parallel=Parallel(sp=2, sp_attention="flash_attention_2")),
+        # long context over nodes: Ulysses over groups of 4 GPUs, ZeRO-3 over 4 nodes (recipes/gemma3/27b_sp4_64k.yaml)
+        ScaleSpec("multinode_zero3_sp4", zero=Zero(stage=3),
+                  launch=Launch(num_processes=4 * GPUS, num_machines=4, main_process_ip="10.0.0.1", main_process_port=29500),
+                  parallel=Parallel(sp=4, sp_attention="flash_attention_2")),
         # transformers tensor parallel in pairs (tp 2) x FSDP2 over the 4 pairs
         ScaleSpec("fsdp2_tp2", engine="fsdp2", launch=Launch(num_processes=GPUS), parallel=Parallel(tp=2)),
     ]

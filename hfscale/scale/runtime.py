@@ -79,7 +79,7 @@ def make_accelerator(precision: str | None = None, **kwargs):
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     handlers = list(kwargs.pop("kwargs_handlers", None) or [])
     if cpu_only_host() and launched > 1:
-        _refuse_parallel_on_cpu(os.environ, deepspeed)
+        refuse_parallel_on_cpu(os.environ, deepspeed)
         if fsdp:
             raise HfscaleError(
                 "accelerate does not apply FSDP on a CPU-only host (each rank would train unsharded); "
@@ -109,14 +109,20 @@ def make_accelerator(precision: str | None = None, **kwargs):
     return accelerator
 
 
-def _refuse_parallel_on_cpu(environ, deepspeed: bool) -> None:
+def refuse_parallel_on_cpu(environ, deepspeed: bool | None = None) -> None:
     """accelerate 1.16 applies a parallelism_config only under FSDP2, DeepSpeed or a multi-GPU/accelerator type;
     on a CPU-only host it raises at Accelerator() (MULTI_CPU). DeepSpeed Ulysses SP does run here (gloo)."""
     from ..errors import HfscaleError
 
-    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true" or not cpu_only_host():
         return
+    if deepspeed is None:
+        deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     sizes = {k: int(environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1") or 1) for k in ("tp", "cp")}
+    sp = int(environ.get("PARALLELISM_CONFIG_SP_SIZE", "1") or 1)
+    if sp > 1 and not deepspeed and not any(v > 1 for v in sizes.values()):
+        raise HfscaleError(f"sequence parallel (sp_size {sp}) runs under DeepSpeed only; launch with a DeepSpeed config "
+                           f"(hfscale config zero3 --sp {sp})")
     if any(v > 1 for v in sizes.values()) or not deepspeed:
         raise HfscaleError(
             f"accelerate does not apply tp_size / cp_size on a CPU-only host ({sizes}; it accepts a parallelism_config "

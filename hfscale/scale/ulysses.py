@@ -64,3 +64,40 @@ def use_window_sdpa() -> None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, position_ids=position_ids, **kw)
 
     AttentionInterface.register("sdpa", window_sdpa)
+
+
+def launch_parallel(environ):
+    """The sp / tp / cp sizes a launch asks for (accelerate's launcher exports its parallelism_config keys as
+    PARALLELISM_CONFIG_*), as a validated hfscale Parallel; read once at a recipe's start."""
+    from ..errors import ConfigError
+    from .spec import Parallel
+
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return Parallel()
+    try:
+        sizes = {k: int(environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1") or 1) for k in ("sp", "tp", "cp")}
+    except ValueError:
+        raise ConfigError("parallelism_config sizes must be integers; fix the accelerate YAML") from None
+    attn = environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "sdpa")
+    return Parallel(**sizes, sp_attention=attn if attn not in ("None", "") else "sdpa")
+
+
+def sp_lm_loss(group):
+    """A `loss_fn(model, batch)` for hfscale.train.loop.train_steps under Ulysses, where the ranks of one SP group
+    read the same sequences (train_steps' data_rank): each rank computes its 1/sp slice of the tokens, at their
+    global positions, and the loss is the mean over the whole sequences (sp_loss), as without SP."""
+    import torch
+    import torch.distributed as dist
+
+    def loss_fn(model, batch):
+        sp, rank = dist.get_world_size(group), dist.get_rank(group)
+        S = batch.shape[1]
+        if S % sp:
+            raise ValueError(f"seq_len {S} does not divide by sp {sp}")
+        lo, hi = rank * S // sp, (rank + 1) * S // sp
+        labels = torch.nn.functional.pad(batch, (0, 1), value=-100)[:, 1:]  # next token; the last has none
+        pos = torch.arange(S, device=batch.device).expand_as(batch)
+        out = model(input_ids=batch[:, lo:hi], position_ids=pos[:, lo:hi])
+        return sp_loss(out.logits, labels[:, lo:hi], group)
+
+    return loss_fn

@@ -223,8 +223,10 @@ def run_precision(accelerator) -> str:
 
 
 def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start: int,
-                meta: dict, loss_fn=lm_loss, tag: str = "train_clm") -> None:
+                meta: dict, loss_fn=lm_loss, tag: str = "train_clm", data_rank: int | None = None) -> None:
     """Steps start..max_steps: accumulate, clip (DeepSpeed clips per its JSON), log, evaluate, checkpoint.
+    `data_rank`: the rank whose sequences this process reads (default its own; under sequence parallelism the
+    ranks of one SP group read the same ones, and `plan.world` counts the groups).
     Progress: a tqdm bar, or with progress off (logs, the demo) a `[tag] step N/M` line every tenth of the run."""
     import contextlib
 
@@ -248,7 +250,8 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
         profiled = prof is not None and step - start < cfg.profile_memory
         phase = (lambda name: prof.phase(name, step - start + 1)) if profiled else (lambda name: contextlib.nullcontext())
         for micro in range(plan.accum):
-            idx = rank_indices(plan, len(train_blocks), cfg.seed, step, micro, accelerator.process_index)
+            idx = rank_indices(plan, len(train_blocks), cfg.seed, step, micro,
+                               accelerator.process_index if data_rank is None else data_rank)
             batch = train_blocks[idx].to(accelerator.device)
             with accelerator.accumulate(model):
                 with phase("forward"):
