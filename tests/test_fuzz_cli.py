@@ -384,7 +384,7 @@ VERBS = ["config", "prove", "doctor", "plan", "profile", "quantize", "eval", "sl
 @st.composite
 def cli_cases(draw):
     """Argument-level cases of any verb: --help with a broken environment, unknown flags, missing values."""
-    verb = draw(st.sampled_from(VERBS + ["bogus", ""]))
+    verb = draw(st.sampled_from(VERBS + ["experts", "prune", "bench", "bogus", ""]))  # experts, prune, bench: argument level only
     tail = draw(st.sampled_from([["--help"], ["-h"], ["--bogus"], ["--"], ["--verbose", "--help"], ["--help", "--verbose"],
                                  ["--out"], ["--config"], ["--model"], ["\x00"], ["ü"]]))
     argv = draw(st.sampled_from([[verb, *tail], [*tail, verb], tail, []]))
