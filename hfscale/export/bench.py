@@ -2,7 +2,7 @@
 first token, peak RSS, file bytes, with the thread count stated. What `hfscale bench` runs.
 
 Each run is a fresh process (`python -m hfscale.export.bench WORKER_JSON`), so its peak RSS
-(getrusage ru_maxrss of that process: interpreter + runtime + model + KV cache) is that artifact's
+(VmHWM of that process: interpreter + runtime + model + KV cache) is that artifact's
 alone, and nothing is warm from a previous run. In one run:
 - load the artifact (load_s);
 - prefill: the prompt's tokens in one call (llama.cpp: `Llama.eval`, n_batch 512; transformers: one
@@ -183,9 +183,10 @@ def _rss_now() -> int:
 
 
 def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """VmHWM: the peak RSS of this process's own address space. Not getrusage's ru_maxrss, which Linux
+    carries across exec from the forking parent (measured: every run reported its 1 GiB parent's peak)."""
+    with open("/proc/self/status") as f:
+        return int(next(ln for ln in f if ln.startswith("VmHWM:")).split()[1]) * 1024
 
 
 def _run_gguf(path: str, ids: list[int], n_decode: int, threads: int) -> dict:
