@@ -21,7 +21,6 @@ loads it) and OUTPUT_DIR/quality.json (teacher / student-before / student-after 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -30,15 +29,10 @@ from pathlib import Path
 
 
 def parse_args(argv=None):
-    from hfscale.train.config import add_override_args
+    from hfscale.train.config import parse_recipe_args
     from hfscale.train.distill import DistillRecipeConfig
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="recipe YAML (recipes/<family>/distill.yaml)")
-    p.add_argument("--force", action="store_true", help="start over in an OUTPUT_DIR that already holds a run")
-    add_override_args(p, DistillRecipeConfig)
-    args = p.parse_args(argv)
-    return args.config, {k: v for k, v in vars(args).items() if k not in ("config", "force")}, args.force
+    return parse_recipe_args(argv, __doc__, "recipe YAML (recipes/<family>/distill.yaml)", DistillRecipeConfig)
 
 
 def main(argv=None) -> int:

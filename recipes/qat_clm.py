@@ -15,7 +15,6 @@ Everything else (batching, checkpoints, --resume latest, metrics.jsonl) is train
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -24,14 +23,9 @@ from pathlib import Path
 
 
 def parse_args(argv=None):
-    from hfscale.train.config import QATRecipeConfig, add_override_args
+    from hfscale.train.config import QATRecipeConfig, parse_recipe_args
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="recipe YAML (recipes/<family>/<size>_qat.yaml)")
-    p.add_argument("--force", action="store_true", help="start over in an OUTPUT_DIR that already holds a run")
-    add_override_args(p, QATRecipeConfig)
-    args = p.parse_args(argv)
-    return args.config, {k: v for k, v in vars(args).items() if k not in ("config", "force")}, args.force
+    return parse_recipe_args(argv, __doc__, "recipe YAML (recipes/<family>/<size>_qat.yaml)", QATRecipeConfig)
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,6 @@ OUTPUT_DIR/model, a transformers directory that `from_pretrained` loads.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -25,15 +24,9 @@ from pathlib import Path
 
 
 def parse_args(argv=None):
-    from hfscale.train.config import add_override_args
+    from hfscale.train.config import parse_recipe_args
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="recipe YAML (recipes/<family>/<size>.yaml)")
-    p.add_argument("--force", action="store_true", help="start over in an OUTPUT_DIR that already holds a run")
-    add_override_args(p)
-    args = p.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "force")}
-    return args.config, overrides, args.force
+    return parse_recipe_args(argv, __doc__, "recipe YAML (recipes/<family>/<size>.yaml)")
 
 
 def main(argv=None) -> int:

@@ -152,6 +152,19 @@ def load_recipe(path: str | None, overrides: dict | None = None, cls=TrainConfig
     return cls(**{k: (_coerce(k, v, fields) if k in fields else v) for k, v in values.items()})
 
 
+def parse_recipe_args(argv, doc: str, config_help: str, cls=TrainConfig) -> tuple[str | None, dict, bool]:
+    """A recipe's command line: --config YAML, --force, and a `--key value` override per field of `cls`.
+    Returns (config path, overrides, force)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--config", help=config_help)
+    p.add_argument("--force", action="store_true", help="start over in an OUTPUT_DIR that already holds a run")
+    add_override_args(p, cls)
+    args = p.parse_args(argv)
+    return args.config, {k: v for k, v in vars(args).items() if k not in ("config", "force")}, args.force
+
+
 def add_override_args(parser, cls=TrainConfig) -> None:
     """`--seq-len 256`-style overrides for every field of `cls` (strings, coerced by load_recipe)."""
     for name in fields_of(cls):
