@@ -12,8 +12,9 @@
 
 Loss per next-token position: (1 - ce_weight) x T^2 x KL(teacher || student at temperature T) +
 ce_weight x cross-entropy on the data (hfscale.train.distill). The teacher is frozen, in eval mode,
-replicated on every rank; the student trains under whatever the accelerate config says (DDP,
-DeepSpeed ZeRO-1/2/3). Writes OUTPUT_DIR/metrics.jsonl (train loss = the distillation loss; eval
+replicated on every rank, or with teacher_placement: zero3 (--teacher-placement zero3, DeepSpeed
+launches) partitioned over the ranks by its own ZeRO-3 engine; the student trains under whatever the
+accelerate config says (DDP, DeepSpeed ZeRO-1/2/3). quality.json records what each rank held of the teacher. Writes OUTPUT_DIR/metrics.jsonl (train loss = the distillation loss; eval
 records carry the held-out CE and KL to the teacher, at step 0 and every eval_every steps),
 OUTPUT_DIR/checkpoints/step_N (--resume latest), OUTPUT_DIR/model (consolidated, from_pretrained
 loads it) and OUTPUT_DIR/quality.json (teacher / student-before / student-after perplexity and KL).
@@ -43,11 +44,12 @@ def main(argv=None) -> int:
         config_path, overrides, force = parse_args(argv)
         from hfscale.models import load_config
         from hfscale.train.config import load_recipe
-        from hfscale.train.distill import DistillRecipeConfig, check_pair
+        from hfscale.train.distill import DistillRecipeConfig, check_pair, check_placement
         from hfscale.train.loop import preflight
 
         cfg = load_recipe(config_path, overrides, cls=DistillRecipeConfig)
         check_pair(load_config(cfg.model), load_config(cfg.teacher), cfg.teacher)
+        check_placement(cfg, os.environ)
         pre = preflight(cfg, force, source=config_path)
     except HfscaleError as e:
         if rank == 0:
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
 def train(cfg, force, pre) -> int:
     from hfscale.models import build_model, load_tokenizer
     from hfscale.scale.runtime import make_optimizer
-    from hfscale.train.distill import heldout_kl, kd_loss_fn, load_teacher
+    from hfscale.train.distill import gather_shares, heldout_kl, kd_loss_fn, load_teacher
     from hfscale.train.loop import evaluate, load_blocks, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint, save_final
@@ -74,16 +76,19 @@ def train(cfg, force, pre) -> int:
     tokenizer = load_tokenizer(cfg.model)
     train_blocks, val_blocks = load_blocks(cfg, tokenizer, data)
 
-    # --- models: trainable student, frozen replicated teacher ---
+    # --- models: trainable student, frozen teacher (replicated, or partitioned by its own ZeRO-3 engine) ---
     model = build_model(cfg.model, seed=cfg.seed)
-    teacher = load_teacher(cfg.teacher, accelerator.device)
     optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
+    teacher = load_teacher(cfg.teacher, accelerator.device, cfg.teacher_placement)
     n_student = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    n_teacher = sum(p.numel() for p in teacher.parameters())
+    shares = gather_shares(accelerator, teacher)
+    n_teacher = shares[0].total_numel
+    held = "replicated" if cfg.teacher_placement == "replicated" else \
+        "ZeRO-3: per rank " + ", ".join(f"{s.numel:,}" for s in shares) + " elements"
     if main_rank:
         print(f"[distill_clm] student {cfg.model}: {n_student:,} params; teacher {cfg.teacher}: {n_teacher:,} params "
-              f"(frozen, replicated); KL weight {1 - cfg.ce_weight:g} at T={cfg.temperature:g}, CE weight {cfg.ce_weight:g}")
+              f"(frozen, {held}); KL weight {1 - cfg.ce_weight:g} at T={cfg.temperature:g}, CE weight {cfg.ce_weight:g}")
     start = resume_from(accelerator, resume, "distill_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "teacher": cfg.teacher, "model_fingerprint": model_fingerprint(pre.model_config),
@@ -104,6 +109,7 @@ def train(cfg, force, pre) -> int:
     # --- evaluate and save (consolidated: ZeRO shards gathered on the main rank) ---
     last = eval_record(cfg.max_steps, final=True)
     teacher_ce = evaluate(teacher, accelerator, val_blocks, plan.micro_batch)
+    shares = gather_shares(accelerator, teacher)  # after every forward: what stays resident between them
     saved = save_final(accelerator, model, tokenizer, out / "model")
     if main_rank:
         from hfscale.atomic import write_text_atomic
@@ -113,6 +119,7 @@ def train(cfg, force, pre) -> int:
                   "params": {"teacher": n_teacher, "student": n_student},
                   "perplexity": {"teacher": math.exp(teacher_ce), "student_start": first["ppl"], "student_end": last["ppl"]},
                   "kl_to_teacher": {"start_step": first["step"], "start": first["kl"], "end": last["kl"]},
+                  "teacher_placement": cfg.teacher_placement, "teacher_per_rank": [vars(s) for s in shares],
                   "resumed_at": start or None}
         write_text_atomic(out / "quality.json", json.dumps(report, indent=1) + "\n")
         print(f"[distill_clm] held-out perplexity: teacher {math.exp(teacher_ce):.2f}, student {first['ppl']:.2f} "

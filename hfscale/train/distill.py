@@ -7,9 +7,18 @@ keeps the gradient scale independent of T). Minitron (arXiv 2407.14679) recovers
 logit-only KL from the unpruned teacher, which is this with ce_weight 0. The loss itself is
 hfscale.compress.qat.distillation_loss (one home; QAT's distillation uses it too).
 
-The teacher is replicated: every rank holds a full frozen copy in eval mode (no gradients, no
-optimizer state: its memory is its weights), outside DeepSpeed's engine. Sharding the teacher
-(ZeRO-3 inference) is not implemented.
+Where the frozen teacher lives is `teacher_placement` (TEACHER_PLACEMENTS):
+  replicated  every rank holds a full fp32 copy in eval mode (no gradients, no optimizer state: its
+              memory is its weights), outside any engine;
+  zero3       the teacher gets its own DeepSpeed ZeRO-3 engine without an optimizer (DeepSpeed's
+              "ZeRO-Inference": deepspeed.initialize(model=teacher) with stage 3 builds a
+              DeepSpeedZeRoOffload that partitions the parameters and gathers each module's for its
+              forward, releasing them after), whatever ZeRO stage the student trains under. Each rank
+              keeps 1/world of every teacher tensor (persistence thresholds 0: no small tensor stays
+              whole) and the teacher's logits are those of the whole model. It is loaded whole on each
+              rank first and partitioned after (no zero.Init at load): the load peak is the full model.
+Ran on CPU only (2 gloo processes, tests/test_distill_path.py): zero3 holds half of every tensor per
+rank and gives the replicated run's losses.
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ from dataclasses import dataclass
 from ..errors import ConfigError, HfscaleError
 from .config import TrainConfig
 
+TEACHER_PLACEMENTS = {"replicated": "a full frozen copy on every rank",
+                      "zero3": "partitioned over the ranks by its own DeepSpeed ZeRO-3 engine (needs a DeepSpeed launch)"}
+
 
 @dataclass(frozen=True)
 class DistillRecipeConfig(TrainConfig):
@@ -26,6 +38,7 @@ class DistillRecipeConfig(TrainConfig):
     teacher: str = ""  # transformers dir (or built-in name) with the same vocabulary as `model`
     temperature: float = 1.0
     ce_weight: float = 0.0  # weight of next-token cross-entropy on the data; the KL term gets 1 - ce_weight
+    teacher_placement: str = "replicated"  # replicated | zero3 (TEACHER_PLACEMENTS)
 
     def __post_init__(self):
         super().__post_init__()
@@ -35,6 +48,17 @@ class DistillRecipeConfig(TrainConfig):
             raise ConfigError(f"ce_weight must be in [0, 1) (got {self.ce_weight}): the KL term gets 1 - ce_weight")
         if not self.temperature > 0:
             raise ConfigError(f"temperature must be > 0 (got {self.temperature})")
+        if self.teacher_placement not in TEACHER_PLACEMENTS:
+            raise ConfigError(f"teacher_placement {self.teacher_placement!r} not understood; use one of "
+                              + ", ".join(f"{k} ({v})" for k, v in TEACHER_PLACEMENTS.items()))
+
+
+def check_placement(cfg: DistillRecipeConfig, environ) -> None:
+    """zero3 needs DeepSpeed in the launch (read from the launcher's environment, passed in)."""
+    if cfg.teacher_placement == "zero3" and environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        raise HfscaleError("teacher_placement zero3 shards the teacher with DeepSpeed, but this is not a DeepSpeed launch; "
+                           "launch with accelerate launch --config_file accelerate_configs/zero2.yaml (or zero3.yaml), "
+                           "or set --teacher-placement replicated")
 
 
 def check_pair(student_config, teacher_config, teacher: str) -> None:
@@ -45,13 +69,57 @@ def check_pair(student_config, teacher_config, teacher: str) -> None:
                            "teacher with the student's tokenizer (the model it was pruned from)")
 
 
-def load_teacher(name: str, device):
-    """The frozen teacher: fp32, eval mode, no gradients."""
+def load_teacher(name: str, device, placement: str = "replicated"):
+    """The frozen teacher: fp32, eval mode, no gradients; with placement zero3, partitioned (shard_zero3)."""
     import torch
 
     from ..models import build_model
 
-    return build_model(name, dtype=torch.float32).to(device).eval().requires_grad_(False)
+    teacher = build_model(name, dtype=torch.float32).to(device).eval().requires_grad_(False)
+    return shard_zero3(teacher) if placement == "zero3" else teacher
+
+
+def shard_zero3(module):
+    """`module` under its own DeepSpeed ZeRO-3 engine, no optimizer, fp32: each rank keeps its 1/world
+    partition of every parameter; forward hooks gather a module's parameters and release them after."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,  # required keys; nothing trains
+              "bf16": {"enabled": False}, "fp16": {"enabled": False},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_model_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                                    "stage3_max_reuse_distance": 0},
+              "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=module, config=config)
+    return engine.module.eval()
+
+
+@dataclass(frozen=True)
+class TeacherShare:
+    """What one rank holds of the teacher's parameters."""
+    rank: int
+    numel: int  # elements this rank stores (ZeRO-3: its padded partitions; replicated: all)
+    bytes: int
+    resident_numel: int  # elements of whole (gathered or replicated) tensors alive now: 0 for zero3 between forwards
+    total_numel: int  # the teacher's parameter count
+
+
+def teacher_share(teacher, rank: int) -> TeacherShare:
+    params = list(teacher.parameters())
+    part = [getattr(p, "ds_tensor", p) for p in params]
+    return TeacherShare(rank, sum(t.numel() for t in part), sum(t.numel() * t.element_size() for t in part),
+                        sum(p.data.numel() for p in params), sum(getattr(p, "ds_numel", p.numel()) for p in params))
+
+
+def gather_shares(accelerator, teacher) -> list[TeacherShare]:
+    """Every rank's TeacherShare, on every rank (one all-gather)."""
+    import torch
+
+    mine = teacher_share(teacher, accelerator.process_index)
+    row = torch.tensor([mine.rank, mine.numel, mine.bytes, mine.resident_numel, mine.total_numel], dtype=torch.int64,
+                       device=accelerator.device)
+    rows = accelerator.gather(row).reshape(-1, 5).tolist()
+    return [TeacherShare(*map(int, r)) for r in rows]
 
 
 def kd_loss_fn(teacher, cfg):
