@@ -6,8 +6,9 @@ of real steps (one GPU, bf16), through `hfscale profile` (which records both per
 Rows: the built-in tiny Gemma 3 and a Gemma 3 1B-shaped model (random weights, hfscale's shipped shape), plain
 accelerate (ZeRO-0), DeepSpeed ZeRO-2 and ZeRO-3 on one process, checkpointing off / full. Without a CUDA
 device it says so and exits 0 (nothing is written). Not run yet: no GPU has been lent to this project.
-The plan's trace assumes CPU kernels (CUDA's flash / memory-efficient attention save other tensors), and
-MemTracker counts tensors, not the caching allocator's blocks: both gaps are what this measures.
+On CUDA, `hfscale profile` predicts with the CUDA attention kernels modelled from their fake implementations
+(hfscale/plan/kernels.py, never compared with a GPU run before this script), and MemTracker counts tensors, not
+the caching allocator's blocks: both gaps are what this measures.
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def markdown(res: dict) -> str:
                      f"{pred} | {er.get('peak', float('nan')):+.3%} | {_mib(m['peak_step1'])} | "
                      f"{er.get('peak_step1', float('nan')):+.2%} | {z['invisible'] or '-'} | "
                      f"{_mib(pe['accelerate'])} ({pe['accelerate'] / m['peak'] - 1:+.0%}) | {_mib(pe['deepspeed'])} ({pe['deepspeed'] / m['peak'] - 1:+.0%}) |")
-    lines += ["\n## The recipe with `--profile-memory 3` (2 processes, 2 micro batches x 64 per step, fp32), rank 0\n",
+    lines += ["\n## The recipe with `--profile-memory 3` (2 processes, 2 micro batches x 64 per step, fp32), per rank\n",
               "| config | checkpointing | rank | measured steady MiB | predicted | err | step 1 measured | err |", "|---|---|---|---|---|---|---|---|"]
     for z in res.get("recipe", []):
         if "measured" not in z:
@@ -254,6 +254,12 @@ def markdown(res: dict) -> str:
         m, p, er = z["measured"], z["predicted"] or {}, z["error"] or {}
         lines.append(f"| {z['config']} | {z['checkpointing']} | {z.get('rank', 0)} | {_mib(m['peak'])} | {_mib(p.get('peak', 0))} | "
                      f"{er.get('peak', float('nan')):+.2%} | {_mib(m['peak_step1'])} | {er.get('peak_step1', float('nan')):+.2%} |")
+    ranked = [z for z in res["zero"] + res.get("recipe", []) if "measured" in z and z.get("error")]
+    if ranked:
+        worst = max(ranked, key=lambda z: abs(z["error"]["peak"]))
+        lines.append(f"\nTwo-process rows (both tables): {sum(abs(z['error']['peak']) <= 0.03 for z in ranked)}/{len(ranked)} "
+                     f"within ±3% on the steady peak; worst: {worst['config']} {worst['checkpointing']} rank {worst.get('rank', 0)} "
+                     f"({worst['error']['peak']:+.2%}).")
     lines.append(f"\nWall time: {res['seconds']:.0f} s.")
     return "\n".join(lines) + "\n"
 

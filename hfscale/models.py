@@ -84,6 +84,9 @@ def load_config(name_or_path: str):
     except StrictDataclassError as e:  # transformers checks field types: {"num_hidden_layers": "x"}
         detail = " ".join(ln.strip() for ln in str(e).strip().splitlines()[-1:])
         raise HfscaleError(f"model config {name_or_path} is invalid: {detail[:200]}; fix that field") from None
+    except (ArithmeticError, TypeError) as e:  # a config class's own checks on nonsense values (0 heads: x % 0)
+        raise HfscaleError(f"model config {name_or_path} is invalid ({type(e).__name__}: {str(e)[:200]}); "
+                           "fix its sizes (attention heads, hidden size, layers must be positive)") from None
 
 
 # any of these in a model directory means it carries a tokenizer

@@ -16,6 +16,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .cache import cache_root
+
 
 @dataclass(frozen=True)
 class TinyTraining:
@@ -30,8 +32,6 @@ class TinyTraining:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("HFSCALE_CACHE", Path.home() / ".cache" / "hfscale"))
 
 
 def trained_tiny(recipe: TinyTraining = TinyTraining(), cache: str | os.PathLike | None = None,

@@ -291,7 +291,8 @@ def predict(config, r: dict) -> dict:
     adamw = r["adamw"] if r["adamw"] in ADAMW else "fused"  # DeepSpeed's own optimizers step in place, like fused
     try:
         return step_prediction(config, r["micro_batch"], r["seq_len"], precision, r["attention"], r["checkpointing"],
-                               grad_accum=r.get("grad_accum", 1), zero=r["zero"], dp=r["world"], offload=r["offload"], engine=r["engine"], adamw=adamw)
+                               grad_accum=r.get("grad_accum", 1), zero=r["zero"], dp=r["world"], offload=r["offload"], engine=r["engine"], adamw=adamw,
+                               rank=r.get("rank"), kernels="cuda" if str(r.get("device", "cpu")).startswith("cuda") else "cpu")
     except HfscaleError as e:
         return {"error": str(e)}
 
@@ -302,9 +303,10 @@ def write_report(directory: str | os.PathLike, reports: list[dict], config, titl
     from .atomic import write_text_atomic
     from .plan.plot import plot_timeline
 
-    pred = None if config is None else predict(config, reports[0])
+    preds = {r["rank"]: None if config is None else predict(config, r) for r in reports}  # ranks differ (ZeRO-2)
     rows = []
     for r in reports:
+        pred = preds[r["rank"]]
         m = RankProfile.from_dict(r).summary()
         row = {"rank": r["rank"], "world": r["world"], "device": r["device"], "engine": r["engine"], "zero": r["zero"],
                "precision": r["precision"], "measured": m, "invisible_to_tracker": r["extra"]}
@@ -321,11 +323,13 @@ def write_report(directory: str | os.PathLike, reports: list[dict], config, titl
                             "peak_step1": row["compared_peak_step1"] / m["peak_step1"] - 1}
         rows.append(row)
     r0 = reports[0]
+    pred = preds[r0["rank"]]
     doc = {"model": r0["model"], "steps": len(r0["phases"]), "micro_batch": r0["micro_batch"], "seq_len": r0["seq_len"],
            "checkpointing": r0["checkpointing"], "ranks": rows,
            "prediction_error": pred.get("error") if pred else None}
     write_text_atomic(Path(directory) / "profile.json", json.dumps(doc, indent=1))
-    plot_timeline(reports, str(Path(directory) / "timeline.png"), title, predicted=(pred or {}).get("peak"))
+    plot_timeline(reports, str(Path(directory) / "timeline.png"), title,
+                  predicted={k: p["peak"] for k, p in preds.items() if p and "peak" in p})
     return rows
 
 

@@ -92,9 +92,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cli):
 @pytest.mark.engine
 def test_recipe_profile_memory(tmp_path):
     """recipes/train_clm.py --profile-memory 3 under ZeRO-2 on 2 processes, 2 micro batches per step: every rank's
-    timeline and the report land in OUTPUT_DIR/memory; the plan is within 1% on rank 0 (measured -0.69%:
-    DeepSpeed's two gradient buckets, 2 x hidden^2 elements, alive in the second micro batch's backward, are not
-    modelled). Rank 1 peaks 7.5% higher in that backward (its gradient partition fills differently): a known gap."""
+    timeline and the report land in OUTPUT_DIR/memory, and the plan predicts each rank within 1% (measured
+    +0.09% / -0.42%). Rank 1 peaks higher than rank 0 (60.7 vs 56.6 MiB): its partition holds the last layers, so
+    its gradient partition is allocated early in backward while the activations are still alive; the plan walks
+    DeepSpeed's buckets over the traced gradient arrivals per rank (hfscale/plan/zero.py). Before that walk the
+    plan under-predicted rank 1 by 6.7%."""
     import subprocess
     import sys
 
@@ -116,9 +118,10 @@ def test_recipe_profile_memory(tmp_path):
     assert [x["rank"] for x in doc["ranks"]] == [0, 1] and doc["steps"] == 3
     rank = json.loads((mem / "rank0.json").read_text())
     assert rank["grad_accum"] == 2 and rank["zero"] == 2 and rank["world"] == 2
-    r0 = doc["ranks"][0]
-    assert abs(r0["error"]["peak"]) < 0.01, (r0["error"], r0["measured"]["phases"], r0["predicted"]["phases"])
-    # rank 1 holds more in the second micro batch's backward (measured 60.7 vs 56.6 MiB): not modelled yet, and
-    # reported per rank rather than hidden; the plan under-predicts it
-    assert doc["ranks"][1]["measured"]["peak"] >= r0["measured"]["peak"]
+    r0, r1 = doc["ranks"]
+    for rk in (r0, r1):
+        assert abs(rk["error"]["peak"]) < 0.01, (rk["rank"], rk["error"], rk["measured"]["phases"], rk["predicted"]["phases"])
+    # the ranks differ, and so do their predictions, in the same direction
+    assert r1["measured"]["peak"] > r0["measured"]["peak"] * 1.03
+    assert r1["predicted"]["peak"] > r0["predicted"]["peak"] * 1.03
     assert "[memory] steady peak" in r.stdout

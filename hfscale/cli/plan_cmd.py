@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from ..plan.kernels import KERNELS
+
 EPILOG = """examples:
   hfscale plan --model gemma-3-27b --seq-len 4096 --micro-batch 1 --zero 3 --dp 16 --checkpointing full
   hfscale plan --model gemma-3-12b --seq-len 4096 --micro-batch 1 --gpus-per-node 8 --nodes 2 --gpu-mem 80GB \\
@@ -54,6 +56,9 @@ def add_parser(sub):
     p.add_argument("--gpu-mem", help="memory per GPU (default: 80GB)")
     p.add_argument("--cpu-mem", help="CPU memory per node, for offload (default: 512GB)")
     p.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: micro x seq x dp)")
+    p.add_argument("--kernels", choices=KERNELS, default=None,
+                   help="with --trace: the attention kernels traced: cpu (default; checked against CPU runs) or cuda "
+                        "(CUDA's flash / memory-efficient attention from their fake kernels; not compared with a GPU run)")
     p.add_argument("--trace", action="store_true", help="also trace the step on fake tensors with transformers' own code: "
                    "prediction.peak / peak_step1 / phases, candidates ranked on the traced peak, any causal LM "
                    "(seconds per model shape, cached under $HFSCALE_CACHE)")
@@ -70,14 +75,15 @@ def _refuse_ignored_flags(args) -> None:
     from ..errors import HfscaleError
 
     for needs, flags in (("--gpus-per-node", ("nodes", "gpu_mem", "cpu_mem", "global_batch_tokens")),
-                         ("--inference", ("quant", "batch", "context", "ram_budget", "routing_blocks"))):
+                         ("--inference", ("quant", "batch", "context", "ram_budget", "routing_blocks")),
+                         ("--trace", ("kernels",))):
         if getattr(args, needs[2:].replace("-", "_")) in (None, False):
             given = [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f) is not None]
             if given:
                 raise HfscaleError(f"{given[0]} is only used with {needs} (it would be ignored); add {needs} or drop {given[0]}")
 
 
-def _parallel_sizes(args, config):
+def _parallel_sizes(args, heads):
     """--sp / --tp / --cp as a validated Parallel, checked against the model's heads (SP assumed on flash
     attention, as on GPUs); HfscaleError (exit 2) with the value to set."""
     from ..errors import HfscaleError
@@ -95,18 +101,18 @@ def _parallel_sizes(args, config):
         raise HfscaleError(f"sp x tp x cp = {par.size} does not divide the {args.gpus_per_node * (args.nodes or 1)} GPUs; "
                            "use sizes whose product divides the GPU count")
     if par.size > 1:
-        require_model_fits(par, config, args.model, seq_len=args.seq_len)
+        require_model_fits(par, heads, args.model, seq_len=args.seq_len)
     return par
 
 
-def _no_sp_note(args, config, sizes) -> str:
+def _no_sp_note(args, heads, sizes) -> str:
     """Why no sequence-parallel candidate was planned, when the model rules it out."""
     if args.sp is not None or any(sp > 1 for sp, _, _ in sizes):
         return ""
     from ..scale.parallel import model_problems
     from ..scale.spec import Parallel
 
-    errs = [p for p in model_problems(Parallel(sp=2, sp_attention="flash_attention_2"), config) if p.severity == "error"]
+    errs = [p for p in model_problems(Parallel(sp=2, sp_attention="flash_attention_2"), heads) if p.severity == "error"]
     return f"; sequence parallel is no candidate: {errs[0].what}" if errs else ""
 
 
@@ -120,9 +126,9 @@ def run(args) -> int:
     from ..atomic import check_writable
     from ..errors import HfscaleError
     from ..models import load_config
-    from ..plan.dims import dims_from_config
     from ..plan.memory import CUDA_CONTEXT_BYTES, Strategy, predict
     from ..plan.peak import for_strategy, untraceable
+    from ..plan.shape import model_shape, shape_of
     from ..plan.trace import TraceError
     from ..plan.planner import Hardware, candidates, parse_size, pick, shortfall
 
@@ -134,23 +140,24 @@ def run(args) -> int:
     if (args.write or args.plot) and hw is None:
         raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
     check_writable({args.write: "--write", args.plot: "--plot"}, args.force, inputs={args.model: "--model"})
-    config = load_config(args.model)
-    par = _parallel_sizes(args, config)
+    # the trace runs transformers' code on the real config; the analytic plan reads the cached shape (no torch)
+    config = load_config(args.model) if args.trace else None
+    shape = shape_of(config) if config is not None else model_shape(args.model)
+    par = _parallel_sizes(args, shape.heads)
     dp = args.dp if args.dp is not None else (hw.world // par.size if hw else 1)  # --dp 0 is refused, not made 1
     s = Strategy(zero=args.zero, dp=dp, precision=args.precision, optimizer=args.optimizer, offload=args.offload,
                  checkpointing=args.checkpointing, micro_batch=args.micro_batch, seq_len=args.seq_len,
                  attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits, sp=par.sp, tp=par.tp, cp=par.cp)
-    try:
-        d = dims_from_config(config)
-    except HfscaleError as e:  # an architecture without analytic formulas: the trace alone answers
+    d = shape.dims
+    if d is None:  # an architecture without analytic formulas: the trace alone answers
         if not args.trace or untraceable(s) or args.inference:
-            raise HfscaleError(f"{e}; with --trace (and without --inference, and --optimizer/--base-bits adamw/16) "
-                               "the step is traced from transformers' own code instead") from None
-        d = None
+            raise HfscaleError(f"{shape.dims_error}; with --trace (and without --inference, and --optimizer/--base-bits adamw/16) "
+                               "the step is traced from transformers' own code instead")
     why_not = "not asked (--trace)" if not args.trace else untraceable(s)
     if why_not is None and par.size > 1:
         why_not = "the trace runs one process: sp / tp / cp are planned analytically (hfscale.plan.parallel)"
-    traced = (lambda strat, accum=1: for_strategy(config, strat, accum)) if why_not is None else None
+    kernels = args.kernels or "cpu"
+    traced = (lambda strat, accum=1: for_strategy(config, strat, accum, kernels)) if why_not is None else None
     out = {"model": args.model, "params": None, "strategy": s.label, "prediction": predict(d, s) if d else {}}
     if traced:
         try:
@@ -178,10 +185,10 @@ def run(args) -> int:
     rows = best = None
     if hw:
         tokens = args.global_batch_tokens or args.micro_batch * args.seq_len * hw.world
-        layers = config.get_text_config().num_hidden_layers
+        layers = shape.layers
         from ..plan.parallel import parallel_options
 
-        sizes = parallel_options(config, hw, args.seq_len, args.sp, args.tp, args.cp)
+        sizes = parallel_options(shape.heads, hw, args.seq_len, args.sp, args.tp, args.cp)
         try:
             rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention, step_peak=traced, layers=layers,
                               parallel=sizes)
@@ -194,7 +201,7 @@ def run(args) -> int:
         out["candidates"] = rows
         out["pick"] = best
         if best is None:
-            out["nothing_fits"] = shortfall(rows, hw) + _no_sp_note(args, config, sizes)
+            out["nothing_fits"] = shortfall(rows, hw) + _no_sp_note(args, shape.heads, sizes)
     if args.json:
         print(json.dumps(out))
     else:

@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from dataclasses import replace
 
+from ..cache import cache_root, cached_json
 from .trace import PhasePeak, StepTrace, trace_step
 
-# bump when what a trace records changes (2: gradients made in backward count as gradients, not temporaries)
-TRACE_FORMAT = 2
+# bump when what a trace records changes (2: gradients made in backward count as gradients, not temporaries;
+# 3: gradient arrivals in backward, for ZeRO-2's per-rank partition)
+TRACE_FORMAT = 3
 STATE_KINDS = ("parameters", "gradients", "optimizer", "master_weights")
 
 
@@ -49,7 +50,7 @@ def trace_precision(precision: str, zero: int, engine: str = "auto") -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HFSCALE_CACHE") or Path.home() / ".cache" / "hfscale") / "traces"
+    return cache_root() / "traces"
 
 
 def _key(config, kw: dict) -> str:
@@ -143,22 +144,8 @@ def scaled_trace(config, **kw) -> StepTrace:
 
 
 def _cached_json(kind: str, config, kw: dict, compute) -> dict:
-    """`compute()` (a JSON-able dict), read from or written to the cache (a cache that cannot be written
-    is skipped: it only saves time)."""
-    path = cache_dir() / f"{kind}-{_key(config, kw)}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    value = compute()
-    try:
-        from ..atomic import write_text_atomic
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(value))
-    except Exception:  # noqa: BLE001 - a read-only home must not fail a plan
-        pass
-    return value
+    """`compute()` (a JSON-able dict), read from or written to the cache."""
+    return cached_json(cache_dir() / f"{kind}-{_key(config, kw)}.json", compute)
 
 
 def cached_trace(config, **kw) -> StepTrace:
@@ -168,22 +155,27 @@ def cached_trace(config, **kw) -> StepTrace:
 
 def step_prediction(config, micro_batch: int, seq_len: int, precision: str, attention: str = "sdpa",
                     checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, zero: int = 0,
-                    dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = "fused") -> dict:
+                    dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = "fused",
+                    rank: int | None = None, kernels: str = "cpu") -> dict:
     """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy.
     engine: "ddp" (torch DDP through accelerate), "deepspeed", or "auto" (ddp at ZeRO-0, else deepspeed).
-    adamw: torch AdamW's implementation the run uses (trace.ADAMW; fused is transformers Trainer's default)."""
+    adamw: torch AdamW's implementation the run uses (trace.ADAMW; fused is transformers Trainer's default).
+    rank: the rank to predict (ZeRO-2's backward differs per rank); None: the highest of all ranks.
+    kernels: the attention kernels traced, "cpu" or "cuda" (`kernels.py`)."""
     engine = ("ddp" if zero == 0 else "deepspeed") if engine == "auto" else (
         "deepspeed" if engine.lower() == "deepspeed" else "ddp")
     kw = dict(seq_len=seq_len, precision=trace_precision(precision, zero, engine), attention=attention,
               checkpointing=checkpointing, lora_rank=lora_rank, grad_accum=min(grad_accum, 2))
     if adamw != "fused":  # the default stays out of the cache key: traces cached before it existed stay valid
         kw["adamw"] = adamw
+    if kernels != "cpu":
+        kw["kernels"] = kernels
     tr = scaled_trace(config, micro_batch=micro_batch, **kw)
     if engine == "deepspeed":
         from .zero import deepspeed_phases
 
         hidden = getattr(config.get_text_config(), "hidden_size", 0) or 0
-        steps = {s: deepspeed_phases(tr, zero, dp, offload, hidden, s, grad_accum, adamw) for s in (True, False)}
+        steps = {s: deepspeed_phases(tr, zero, dp, offload, hidden, s, grad_accum, adamw, rank) for s in (True, False)}
     else:
         steps = {s: {k: dict(v.breakdown) for k, v in tr.phases(s, grad_accum).items()} for s in (True, False)}
         steps = {s: {ph: shard(kinds, zero, dp, offload, tr.largest_module_param_bytes) for ph, kinds in v.items()}
@@ -250,8 +242,8 @@ def untraceable(s) -> str | None:
     return None
 
 
-def for_strategy(config, s, grad_accum: int = 1) -> dict:
+def for_strategy(config, s, grad_accum: int = 1, kernels: str = "cpu") -> dict:
     """`step_prediction` for a planner `Strategy`."""
     return step_prediction(config, s.micro_batch, s.seq_len, s.precision, s.attention, s.checkpointing,
-                           s.lora_rank, grad_accum, s.zero, s.dp, s.offload)
+                           s.lora_rank, grad_accum, s.zero, s.dp, s.offload, kernels=kernels)
 __all__ = ["STATE_KINDS", "cache_dir", "cached_trace", "for_strategy", "shard", "step_prediction", "trace_precision", "untraceable"]

@@ -50,9 +50,9 @@ def save_png(fig, path: str, dpi: int) -> None:
 KIND_ORDER = ("parameters", "buffers", "master_weights", "optimizer", "gradients", "activations", "temporaries")
 
 
-def plot_timeline(ranks: list[dict], path: str, title: str, predicted: int | None = None) -> None:
+def plot_timeline(ranks: list[dict], path: str, title: str, predicted: dict[int, int] | None = None) -> None:
     """Stacked live bytes by kind over the ops of the profiled steps (`hfscale.profile`), one panel per rank
-    (at most 4), with a band per step phase and the plan's predicted steady peak as a line."""
+    (at most 4), with a band per step phase and the plan's predicted steady peak for that rank as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,8 +81,9 @@ def plot_timeline(ranks: list[dict], path: str, title: str, predicted: int | Non
                 start, label = i, s[1]
         m = r["measured"]
         ax.axhline(m["peak"] / 2**20, color="black", lw=0.8, ls=":", label=f"measured steady peak {m['peak'] / 2**20:.1f} MiB")
-        if predicted:
-            ax.axhline(predicted / 2**20, color="red", lw=1, ls="--", label=f"plan's predicted peak {predicted / 2**20:.1f} MiB")
+        want = (predicted or {}).get(r["rank"])
+        if want:
+            ax.axhline(want / 2**20, color="red", lw=1, ls="--", label=f"plan's predicted peak {want / 2**20:.1f} MiB")
         ax.set_ylabel(f"rank {r['rank']}: MiB alive")
         ax.set_xlabel("ops that changed the live bytes (time order)")
         ax.legend(fontsize=7, loc="upper left")

@@ -21,8 +21,9 @@ What is traced is what this module runs, per rank without sharding (ZeRO-0 / DDP
 
 Fidelity (CPU only): without checkpointing the trace equals a real CPU run's MemTracker numbers to the
 byte on the checked architectures; with checkpointing it is 0.1-2.2% higher in forward (cause not found;
-never lower). tests/test_trace.py checks both. CUDA kernels (flash /
-memory-efficient attention) save different tensors; a trace says it assumes CPU kernels. Allocator
+never lower). tests/test_trace.py checks both. CUDA's attention kernels (flash / memory-efficient) save
+other tensors than CPU's: `kernels="cuda"` traces with their fake implementations (`kernels.py`; not compared
+with a GPU run); each trace says which kernels it assumes and how many attention calls took each. Allocator
 overheads (caching, fragmentation, CUDA context) are not in any traced number.
 Ops with no fake kernel or a data-dependent output shape (some MoE routers) raise `TraceError` naming
 the model type and the op; nothing is guessed.
@@ -32,9 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 from ..errors import HfscaleError
+from .kernels import KERNELS, cuda_attention
 from .tracker import KINDS, PhasePeak, phase_peak as _phase, step_tracker
 
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "bf16-pure")
@@ -67,7 +70,12 @@ class StepTrace:
     largest_module_param_bytes: int
     seconds: float
     kernels: str = "cpu"
+    attention_kernels: dict = field(default_factory=dict)  # cuda: kernel -> calls per micro batch (recompute too)
     depth: list[int] | None = None  # the two depths a scaled trace was extrapolated from (peak.py)
+    # per micro batch's backward: gradient arrivals in order ([param index, elements, bytes, kinds], see
+    # _micro_steps); empty for traces scaled in depth. param_numels: trainable parameters in optimizer order
+    grad_arrivals: list = field(default_factory=list)
+    param_numels: list = field(default_factory=list)
 
     def phases(self, steady: bool = True, grad_accum: int = 1) -> dict[str, PhasePeak]:
         """forward / backward / optimizer peaks of step 1 or of a steady step, for `grad_accum` micro batches."""
@@ -97,7 +105,8 @@ class StepTrace:
             "peak_breakdown": dict(steady[at].breakdown),
             "trace": {"kernels": self.kernels, "seconds": round(self.seconds, 2), "precision": self.precision,
                       "attention": self.attention, "checkpointing": self.checkpointing, "grad_accum": grad_accum,
-                      "traced_layers": self.depth, "assumes": ASSUMES},
+                      "attention_kernels": self.attention_kernels, "traced_layers": self.depth,
+                      "assumes": ASSUMES if self.kernels == "cpu" else ASSUMES_CUDA},
         }
 
     def to_dict(self) -> dict:
@@ -112,6 +121,9 @@ class StepTrace:
 
 ASSUMES = ("CPU kernels (CUDA flash / memory-efficient attention save different tensors); "
            "no allocator caching, fragmentation or CUDA context")
+ASSUMES_CUDA = ("CUDA attention kernels as torch's sm80+ dispatcher picks them (flash without a mask in fp16/bf16, "
+                "else memory-efficient; not cuDNN), traced with their fake implementations, not compared with a GPU run; "
+                "no allocator caching, fragmentation or CUDA context")
 
 
 def _build(config, precision: str, attention: str, lora_rank: int):
@@ -177,23 +189,51 @@ class _Optimizer:
             p.grad = None
 
 
-def _micro_steps(model, mt, ids, precision: str, grad_accum: int) -> list[dict[str, PhasePeak]]:
+def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=()) -> tuple[list, list]:
+    """(forward / backward phase peaks per micro batch, gradient arrivals per micro batch's backward).
+    An arrival is [index of the parameter in `params`, its elements, bytes alive at the most until the next
+    arrival, the breakdown there]; the first entry (index -1) is what precedes the first gradient. ZeRO-2
+    lays its per-rank buffers over these (`zero.py`): which rank's partition fills when is set by this order."""
     import torch
 
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-autocast"
                 else contextlib.nullcontext())
-    micros = []
-    for _ in range(min(grad_accum, 2)):  # the second micro batch runs with gradients alive
-        with mt:
-            with autocast:
-                loss = model(input_ids=ids, labels=ids).loss
-        fwd = _phase(mt)
-        with mt:
-            loss.backward()
-        micros.append({"forward": fwd, "backward": _phase(mt)})
-        del loss
-        mt.reset_mod_stats()  # MemTracker tracks one call per module between resets
-    return micros
+    arrivals: list = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda q, i=i: arrivals.append((i, q.numel(), mt.ops)))
+             for i, p in enumerate(params)]
+    micros, segments = [], []
+    try:
+        for _ in range(min(grad_accum, 2)):  # the second micro batch runs with gradients alive
+            with mt:
+                with autocast:
+                    loss = model(input_ids=ids, labels=ids).loss
+            fwd = _phase(mt)
+            arrivals.clear()
+            mt.samples, mt.record, mt._last = [], bool(params), None
+            with mt:
+                loss.backward()
+            mt.record = False
+            micros.append({"forward": fwd, "backward": _phase(mt)})
+            segments.append(_segments(mt.samples, arrivals) if params else [])
+            mt.samples = []
+            del loss
+            mt.reset_mod_stats()  # MemTracker tracks one call per module between resets
+    finally:
+        for h in hooks:
+            h.remove()
+    return micros, segments
+
+
+def _segments(samples, arrivals) -> list:
+    out, bounds = [], [(-1, 0, -1), *arrivals]
+    for j, (i, n, op) in enumerate(bounds):
+        end = bounds[j + 1][2] if j + 1 < len(bounds) else float("inf")
+        inside = [smp for smp in samples if op <= smp.op < end] or [max((smp for smp in samples if smp.op <= op),
+                                                                        key=lambda smp: smp.op, default=None)]
+        top = max((smp for smp in inside if smp is not None), key=lambda smp: sum(smp.kinds.values()), default=None)
+        kinds = dict(top.kinds) if top is not None else {}
+        out.append([i, n, sum(kinds.values()), kinds])
+    return out
 
 
 def _optimizer_step(opt, mt) -> PhasePeak:
@@ -255,7 +295,7 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
     opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw)
     out = []
     for _ in range(steps):
-        micros = _micro_steps(model, mt, ids, precision, grad_accum)
+        micros, _ = _micro_steps(model, mt, ids, precision, grad_accum)
         out.append({ph: max((m[ph] for m in micros), key=lambda x: x.bytes) for ph in ("forward", "backward")}
                    | {"optimizer": _optimizer_step(opt, mt)})
     return out
@@ -263,7 +303,7 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 
 def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1,
-               optimizer_only: bool = False, adamw: str = "fused") -> StepTrace:
+               optimizer_only: bool = False, adamw: str = "fused", kernels: str = "cpu") -> StepTrace:
     """Trace step 1 of training the model `config` describes on fake tensors, and the steady optimizer step.
     `optimizer_only` skips forward and backward (`micro` is empty): both optimizer steps then run on
     gradients shaped as backward makes them (used to scale a trace to full depth, `peak.py`).
@@ -278,6 +318,8 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
     import copy
 
     _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw)
+    if kernels not in KERNELS:
+        raise HfscaleError(f"attention kernels {kernels!r} cannot be traced; use one of {', '.join(KERNELS)}")
     config = copy.deepcopy(config)  # building and checkpointing set fields on the config; the caller's stays as given
     model_type = getattr(config, "model_type", "?")
     t0 = time.perf_counter()
@@ -287,7 +329,10 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
         with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors():
             opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
                                   adamw)
-            micros = [] if optimizer_only else _micro_steps(model, mt, ids, precision, grad_accum)
+            counts: Counter = Counter()
+            with cuda_attention(counts) if kernels == "cuda" else contextlib.nullcontext():
+                micros, arrivals = (([], []) if optimizer_only
+                                    else _micro_steps(model, mt, ids, precision, grad_accum, opt.params))
             opts = []
             for step in range(2):
                 if step or optimizer_only:
@@ -309,7 +354,10 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
                          f"{f' (op {op})' if op is not None else ''}: {_line(e)}") from None
     return StepTrace(model_type, precision, attention, checkpointing, micro_batch, seq_len, lora_rank, micros,
                      opt1, opt2, _state_bytes(opt), params, sum(p.numel() for p in opt.params), largest,
-                     time.perf_counter() - t0)
+                     time.perf_counter() - t0, kernels=kernels,
+                     attention_kernels={k: v // len(micros) for k, v in counts.items()} if micros else {},
+                     grad_arrivals=arrivals,
+                     param_numels=[p.numel() for p in opt.params])
 
 
 @contextlib.contextmanager

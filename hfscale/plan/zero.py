@@ -9,10 +9,15 @@ P trainable elements, d bytes per parameter element: 4 fp32, 2 bf16; A = 8P, Ada
   optimizer     the fp32 gradient partition 4P/N; the base optimizer runs on one flat partition, so
   phase         torch AdamW's forloop / foreach temporaries are 2 x 4P/N (fused and DeepSpeed's own
                 optimizers: none); stages 1-2 hold the whole d*P parameters, stage 3 none gathered
-  stage 1-2     whole parameters d*P; gradients in backward whole at stage 1; at stage 2, once the first
-                bucket is reduced, the gradient partition d*P/N, two reduce buffers (overlap_comm) and the
-                gradients of the bucket being filled (3 x reduce_bucket_size elements; with full checkpointing
-                ranks 0 / 1 of the tiny model measured 1.7% / 2.8% more: the buckets are partition-dependent)
+  stage 1-2     whole parameters d*P; gradients in backward whole at stage 1. Stage 2, per rank, walked over
+                the traced gradient arrivals (`stage2_walk`; one flat group in optimizer order, as hfscale's
+                recipes build it): two reduce buffers (overlap_comm) and the bucket being filled (3 x
+                reduce_bucket_size elements) once gradients arrive, an oversized gradient until the next
+                reduction, the rank's gradient partition d*P/N from the first reduction of one of its own
+                parameters (early on the last rank, which owns the last layers; late on rank 0, which owns
+                the embeddings and first layers), and with accumulation the previous micro batches' partition d*P/N.
+                Traces scaled in depth keep no arrivals: there the partition counts from the first gradient
+                on (the last rank's case)
   stage 3       gradients in backward 1/N; the parameter partition d*P/N and the flat gradient-partition
                 buffer 4P/N (fp32 runs; bf16: 2P/N) from the start, plus the reduce bucket (reduce_bucket_size elements,
                 accelerate's "auto" = hidden^2); in steady forward / backward every parameter stays
@@ -22,8 +27,8 @@ P trainable elements, d bytes per parameter element: 4 fp32, 2 bf16; A = 8P, Ada
 
 Measured on CPU against `hfscale profile` inside 2 ranks (tiny Gemma 3, fp32 and bf16, forloop AdamW):
 within 0.003% on the steady peaks of ZeRO-1, 2 and 3 and with offload without checkpointing, and on ZeRO-3
-every:2; ZeRO-2 with checkpointing or gradient accumulation -0.2% to -7.5% (rank 1 holds more in backward
-than rank 0: per-rank partition effects not modelled); all in benchmarks/results/step_peak.md.
+every:2; ZeRO-2 with checkpointing or gradient accumulation within -1.7% to +0.1% per rank (before the
+per-rank walk, rank 1 was under-predicted by up to 7.5%); all in benchmarks/results/step_peak.md.
 Step 1 of ZeRO-3 releases parameters after use (nothing is traced yet): none gathered at the peaks.
 CPU offload (DeepSpeedCPUAdam, in place): AdamW's moments, the master and fp32 gradient partitions
 (and at stage 3 the parameter partition, at stages 1-2 an fp32 staging buffer of the largest parameter)
@@ -47,10 +52,62 @@ def _phase_kinds(tr: StepTrace, phase: str, steady: bool, grad_accum: int) -> di
 HOST = "host_"  # kinds with this prefix live in host memory (CPU offload): not in a device peak
 
 
+def owned(numels: list[int], ranks: int, rank: int) -> set[int]:
+    """Indices of the parameters (optimizer order, one flat group padded to the rank count, as DeepSpeed
+    partitions it) whose elements overlap `rank`'s partition."""
+    part = -(-sum(numels) // ranks)
+    lo, hi, out, off = rank * part, (rank + 1) * part, set(), 0
+    for i, n in enumerate(numels):
+        if off < hi and off + n > lo:
+            out.add(i)
+        off += n
+    return out
+
+
+def stage2_walk(arrivals: list, mine: set[int], bucket: int) -> list[tuple[bool, int]]:
+    """DeepSpeed stage 2's gradient buckets (contiguous_gradients; stage_1_and_2.py,
+    reduce_independent_p_g_buckets_and_remove_grads / reduce_ipg_grads) walked over the traced gradient
+    arrivals, for the rank owning the parameters `mine`. Per segment (0: before the first arrival, k: after
+    arrival k - 1): (whether the rank's gradient partition is allocated, elements of a gradient alive outside
+    DeepSpeed's buffers). A gradient that does not fit the bucket (`bucket` elements) first reduces it; the
+    reduction copies the rank's own gradients into its partition (allocated then) and drops the others. A
+    gradient that fits is copied into the bucket as it arrives; an oversized one stays alive until reduced."""
+    out = [(False, 0)]
+    held, elems, alloc, big = [], 0, False, 0
+    for i, n, *_ in arrivals:
+        if held and elems + n > bucket:
+            alloc = alloc or any(x in mine for x in held)
+            held, elems, big = [], 0, 0
+        held.append(i)
+        elems += n
+        big = n if n > bucket else big
+        out.append((alloc, big))
+    return out
+
+
+def _stage2_backward(tr: StepTrace, dp: int, rank: int, d: int, part: int, bucket: int,
+                     grad_accum: int) -> dict[str, int]:
+    """Stage 2's backward peak on `rank` over the traced gradient arrivals (see the module docstring)."""
+    mine = owned(tr.param_numels, dp, rank)
+    best: dict[str, int] = {}
+    for m, segments in enumerate(tr.grad_arrivals[: 1 if grad_accum == 1 else 2]):
+        walk = stage2_walk(segments[1:], mine, bucket)
+        for k, ((_, _, _, kinds), (alloc, big)) in enumerate(zip(segments, walk)):
+            out = {n: kinds.get(n, 0) for n in ("activations", "temporaries", "buffers", "parameters")}
+            # the previous micro batches' partition (accumulated), the two overlap_comm buffers and the bucket
+            # being filled, an oversized gradient waiting for its reduction
+            out["gradients"] = (d * part if m else 0) + (3 * bucket * d if k or m else 0) + d * big
+            out["grad_partition"] = d * part if alloc else 0
+            if sum(out.values()) > sum(best.values()):
+                best = out
+    return best
+
+
 def deepspeed_phases(tr: StepTrace, zero: int, dp: int, offload: str, hidden: int, steady: bool,
-                     grad_accum: int = 1, adamw: str = "fused") -> dict[str, dict[str, int]]:
+                     grad_accum: int = 1, adamw: str = "fused", rank: int | None = None) -> dict[str, dict[str, int]]:
     """{phase: {kind: bytes}} per rank under DeepSpeed ZeRO `zero` over `dp` ranks (see the module docstring);
-    with offload, what lives on the host is under `host_*` kinds."""
+    with offload, what lives on the host is under `host_*` kinds. `rank`: which rank (stage 2's backward
+    differs per rank); None: the rank with the highest backward peak."""
     N = max(1, dp)
     P = tr.trainable_params
     d = 2 if tr.precision in ("bf16", "bf16-pure") else 4
@@ -88,6 +145,10 @@ def deepspeed_phases(tr: StepTrace, zero: int, dp: int, offload: str, hidden: in
             kinds["parameters"] = (d * P if P <= REUSE_DISTANCE else 2 * tr.largest_module_param_bytes) if steady else 0
         else:
             kinds["parameters"] = k.get("parameters", 0)
+        if phase == "backward" and zero == 2 and not off and tr.grad_arrivals:
+            ranks = range(N) if rank is None else [rank]
+            kinds = max((_stage2_backward(tr, N, r, d, part, hidden * hidden, grad_accum) for r in ranks),
+                        key=lambda x: sum(x.values()))
         kinds[where + "optimizer"] = states if steady else 0
         held = dict(fixed)
         if off and zero == 3 and not steady:  # stage 3 allocates its pinned fp32 gradient partition in step 1's step
@@ -110,4 +171,4 @@ def split_host(kinds: dict) -> tuple[int, int]:
     return sum(kinds.values()) - host, host
 
 
-__all__ = ["HOST", "REUSE_DISTANCE", "deepspeed_phases", "split_host"]
+__all__ = ["HOST", "REUSE_DISTANCE", "deepspeed_phases", "owned", "stage2_walk", "split_host"]

@@ -45,9 +45,12 @@ class Heads:
 
 def heads(config) -> Heads:
     """From hfscale.plan.dims where it knows the family (Gemma 4's per-layer heads included), else from the
-    config's own attributes."""
+    config's own attributes. A `Heads` (e.g. hfscale.plan.shape's cached one) is returned as it is."""
     from ..errors import HfscaleError
     from ..plan.dims import dims_from_config
+
+    if isinstance(config, Heads):
+        return config
 
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     plan = dict(getattr(type(c), "base_model_tp_plan", None) or getattr(c, "base_model_tp_plan", None) or {})

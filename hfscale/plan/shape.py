@@ -1,0 +1,111 @@
+"""What the planner reads from a model's config, resolved once by transformers and kept as JSON.
+
+`hfscale plan` without `--trace` needs a handful of numbers from a config: the `Dims` of the analytic
+memory model, the attention heads per layer kind and the tensor-parallel plan (`scale.parallel.Heads`) and
+the layer count. Resolving them means building transformers' config class (defaults, Gemma 4's per-layer
+config and KV-sharing rule), and importing transformers imports torch: about 1.7 s of a 2.5 s plan on a
+2-core host. `model_shape` resolves them with transformers the first time and stores the result under
+`$HFSCALE_CACHE/shapes`, keyed by the config file's bytes, the transformers version and `SHAPE_FORMAT`, so a
+repeated plan reads JSON and imports neither (a changed file, or another transformers, is a new key).
+Built-in model names key on the source that builds them; hub names are not cached (they resolve through
+the hub cache anyway). A cache that cannot be read or written is skipped: it only saves time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..cache import cache_root, cached_json
+from ..errors import HfscaleError
+from .dims import Dims, LayerDims, dims_from_config
+
+SHAPE_FORMAT = 1  # bump when ModelShape's fields or their meaning change
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A config as the planner sees it. `dims` is None (and `dims_error` says why) for an architecture
+    the analytic model has no formulas for; the trace (which needs the real config) covers those."""
+
+    model_type: str
+    layers: int
+    heads: object  # hfscale.scale.parallel.Heads
+    dims: Dims | None
+    dims_error: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"format": SHAPE_FORMAT, "model_type": self.model_type, "layers": self.layers,
+                "heads": asdict(self.heads), "dims": asdict(self.dims) if self.dims else None, "dims_error": self.dims_error}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelShape:
+        from ..scale.parallel import Heads
+
+        if data.get("format") != SHAPE_FORMAT:
+            raise ValueError("stale shape format")
+        dims = None
+        if data["dims"] is not None:
+            raw = dict(data["dims"])
+            raw["per_layer"] = tuple(LayerDims(**ld) for ld in raw["per_layer"])
+            raw["layer_types"] = tuple(raw["layer_types"])
+            dims = Dims(**raw)
+        return cls(data["model_type"], data["layers"], Heads(**data["heads"]), dims, data["dims_error"])
+
+
+def shape_of(config) -> ModelShape:
+    """Resolve a transformers config (the slow path: the caller has imported transformers)."""
+    from ..scale.parallel import heads
+
+    try:
+        dims, err = dims_from_config(config), None
+    except HfscaleError as e:
+        dims, err = None, str(e)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        h = heads(config)
+    except (ArithmeticError, AttributeError, TypeError, ValueError) as e:  # e.g. 0 attention heads
+        raise HfscaleError(f"model config ({getattr(text, 'model_type', '?')}) has no usable attention heads "
+                           f"({type(e).__name__}: {e}); fix num_attention_heads / num_key_value_heads / head_dim") from None
+    return ModelShape(text.model_type, int(text.num_hidden_layers), h, dims, err)
+
+
+def _source_bytes(name_or_path: str) -> bytes | None:
+    """The bytes a config resolves from, or None where they cannot be known without resolving (hub names)."""
+    from ..models import BUILTIN, dimension_configs
+
+    if name_or_path in BUILTIN:
+        return b"builtin:" + name_or_path.encode() + (Path(__file__).resolve().parent.parent / "models.py").read_bytes()
+    dims = dimension_configs()
+    if name_or_path in dims:
+        return dims[name_or_path].read_bytes()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    return path.read_bytes() if path.is_file() else None
+
+
+def _cache_path(source: bytes) -> Path:
+    from importlib.metadata import version
+
+    key = hashlib.sha256(source + json.dumps([version("transformers"), SHAPE_FORMAT]).encode()).hexdigest()[:24]
+    return cache_root() / "shapes" / f"{key}.json"
+
+
+def model_shape(name_or_path: str) -> ModelShape:
+    """`shape_of(load_config(name_or_path))`, through the cache."""
+    from ..models import load_config
+
+    try:
+        source = _source_bytes(name_or_path)
+    except OSError:
+        source = None  # unreadable: load_config says why, in one line
+    if source is None:
+        return shape_of(load_config(name_or_path))
+    data = cached_json(_cache_path(source), lambda: shape_of(load_config(name_or_path)).to_dict(), ModelShape.from_dict)
+    return ModelShape.from_dict(data)
+
+
+__all__ = ["SHAPE_FORMAT", "ModelShape", "model_shape", "shape_of"]
