@@ -208,7 +208,7 @@ def _mib(n) -> str:
 
 def markdown(res: dict) -> str:
     h = res["host"]
-    lines = [f"# Step peak: plan vs measured (benchmarks/step_peak.py)\n",
+    lines = ["# Step peak: plan vs measured (benchmarks/step_peak.py)\n",
              f"Host: {h['cores']} cores, torch CPU capability {h['cpu_capability']}, bf16 flags {h['bf16_flags'] or 'none'}, "
              f"torch {h['torch']}. Memory is counted by torch's MemTracker on CPU (no allocator caching); CUDA is not measured.\n",
              "## One process: 12 families, measured real steps vs `prediction` (fake-tensor trace, the plan's path)\n",

@@ -37,8 +37,6 @@ def _parse(argv):
 
 
 def _data(seq_len: int, n: int):
-    import torch
-
     from .corpus import load_text, packed_blocks
     from .models import load_tokenizer
 
@@ -62,8 +60,6 @@ def _model():
 
 def _reference(model, ids):
     """Loss (mean over every next-token of every sequence), logits and gradients of the whole model, one process."""
-    import torch
-
     from .plan.measure import SavedBytes
 
     with SavedBytes(model) as sb:

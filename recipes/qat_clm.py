@@ -87,10 +87,12 @@ def train(cfg, force, pre) -> int:
     if cfg.distill > 0:
         teacher = build_model(cfg.model).to(accelerator.device).eval().requires_grad_(False)
 
-        def loss_fn(m, batch):
+        def distill_loss(m, batch):
             with torch.no_grad():
                 t = teacher(input_ids=batch).logits
             return distillation_loss(m(input_ids=batch).logits, t, batch, cfg.distill, cfg.temperature)
+
+        loss_fn = distill_loss
 
     optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)

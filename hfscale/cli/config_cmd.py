@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..errors import ConfigError
 from ..scale.load import load_spec
 from ..scale.presets import PRESETS
-from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, SP_ATTENTION, ZERO_STAGES, Launch, ScaleSpec, Zero
+from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, SP_ATTENTION, ZERO_STAGES, ScaleSpec
 
 EXAMPLES = """examples:
   hfscale config zero3                                   # accelerate_configs/zero3.yaml + ds_configs/zero3.json

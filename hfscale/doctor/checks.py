@@ -190,7 +190,7 @@ def precision(s: Setup) -> Iterator[Finding]:
             if ds is not None and (get(acc, "deepspeed_config.deepspeed_config_file") not in (MISSING, None, "none")):
                 yield Finding("precision-in-yaml-and-json", "error", _acc(s, "mixed_precision"),
                               "accelerate refuses mixed_precision in the YAML when a deepspeed_config_file is given",
-                              f"delete mixed_precision from the YAML; the JSON's bf16/fp16 blocks decide")
+                              "delete mixed_precision from the YAML; the JSON's bf16/fp16 blocks decide")
             found.append((_acc(s, "mixed_precision"), {"no": "fp32"}.get(mp, mp)))
     if len({p for _, p in found}) > 1:
         listed = ", ".join(f"{w}={p}" for w, p in found)
