@@ -1,6 +1,7 @@
 """Experts from storage (hfscale/experts): logits equal the fully loaded model's bit for bit, the cache
-stays within its budget and counts exactly, expert tensors are never read whole, failed reads leave the
-cache consistent, and the CLI refuses bad input in one line."""
+stays within its budget and counts exactly, expert tensors are never read whole, failed reads (truncated,
+missing, corrupt files) and reads slower than read_timeout_s are one clear error that leaves the cache
+consistent and the model usable once the file is good, and the CLI refuses bad input in one line."""
 
 import json
 import os
@@ -143,31 +144,117 @@ def test_lru_order_and_exact_counts():
     c.close()
 
 
-def test_failed_read_is_one_clear_error_and_cache_stays_consistent(g4, tmp_path):
+def _copy(src, dst):
     import shutil
 
-    path = tmp_path / "m"
-    shutil.copytree(g4, path)
-    m = from_pretrained(path, ram_budget=4 * EXPERT_BYTES, prefetch=True)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _replace(path, data: bytes) -> None:
+    """Put `data` at `path` as a new file (a new inode, as a re-download or re-save does)."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _broken_then_repaired(m, weights, data, match, break_it):
+    """Break the weights, check one clear error and consistent cache, repair, check the same logits."""
     off = m.hfscale_experts
     with torch.no_grad():
         want = m(IDS[:1, :8]).logits
+    assert off.cache.cached_keys()  # in use before the failure
     off.cache.clear()
-    weights = path / "model.safetensors"
-    data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2])  # truncated under a running model
-    before = off.cache.cached_keys()
-    with pytest.raises(HfscaleError, match="reading expert weights from .* failed .*short read") as e:  # noqa: PT012
+    break_it()
+    with pytest.raises(HfscaleError, match=match) as e:  # noqa: PT012
         with torch.no_grad():
             m(IDS[:1, :8])
     assert "\n" not in str(e.value)
     off.cache.drain()
-    off.cache.check()
-    assert off.stats()["failed_reads"] >= 1
-    assert all(k in before or k[0] < 3 for k in off.cache.cached_keys())  # only whole experts were inserted
-    weights.write_bytes(data)  # repaired: the same model goes on, same logits
+    off.cache.check()  # bytes, reservations and budget: nothing half-inserted
+    s = off.stats()
+    assert s["failed_reads"] >= 1 and s["bytes_read"] == s["reads"] * s["expert_bytes"]
+    _replace(weights, data)  # repaired: the same model goes on, same logits
     with torch.no_grad():
         assert torch.equal(m(IDS[:1, :8]).logits, want)
+    off.cache.check()
+    return s
+
+
+@pytest.mark.parametrize("reader", ["pread", "mmap"])
+def test_truncated_shard_is_one_clear_error_and_cache_stays_consistent(g4, tmp_path, reader):
+    path = _copy(g4, tmp_path / "m")
+    m = from_pretrained(path, ram_budget=4 * EXPERT_BYTES, prefetch=True, reader=reader)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    match = {"pread": "reading expert weights from .*model.safetensors failed .*short read",
+             "mmap": "reading expert weights from .*model.safetensors failed .*truncated file"}[reader]
+    # truncated in place under the running model (the open descriptor sees it); repaired as a new file,
+    # which the reader opens by path after the failure
+    _broken_then_repaired(m, weights, data, match, lambda: weights.write_bytes(data[: len(data) // 2]))
+    m.hfscale_experts.close()
+
+
+def test_missing_or_unreadable_shard_is_one_clear_error(g4, tmp_path):
+    path = _copy(g4, tmp_path / "m")
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    m = from_pretrained(path, ram_budget=4 * EXPERT_BYTES)
+    reader = m.hfscale_experts.reader
+
+    def gone():  # removed while not open (as a shard not read yet is): the next read must open it by path
+        reader.close()
+        weights.unlink()
+
+    _broken_then_repaired(m, weights, data, "cannot open expert weights .*model.safetensors .*No such file.*put the "
+                          "file back or load the model again", gone)
+    if os.geteuid() != 0:  # root reads a mode-000 file: a permission error cannot be made for it
+
+        def unreadable():
+            reader.close()
+            weights.chmod(0)
+
+        _broken_then_repaired(m, weights, data, "cannot open expert weights .*Permission denied", unreadable)
+    m.hfscale_experts.close()
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")  # corrupt header
+    with pytest.raises(HfscaleError, match="cannot read the safetensors header of .*re-save the model"):
+        from_pretrained(path, ram_budget=4 * EXPERT_BYTES)
+
+
+def test_slow_read_times_out_cleanly_and_the_read_is_kept(g4):
+    """A storage that takes 0.5 s per read (a real read after a sleep) against read_timeout_s=0.1."""
+    import threading
+    import time
+
+    from hfscale.experts.store import Reader
+
+    gate = threading.Event()
+
+    class SlowStorage(Reader):
+        def read(self, *a, **k):
+            if not gate.is_set():
+                time.sleep(0.5)
+            return super().read(*a, **k)
+
+    m = from_pretrained(g4, ram_budget=8 * EXPERT_BYTES, read_timeout_s=0.1)
+    off = m.hfscale_experts
+    off.reader = SlowStorage("pread")
+    with pytest.raises(HfscaleError, match=r"reading expert \d+ of layer 0 from .*model.safetensors took longer than "
+                       r"read_timeout_s=0.1 s; .*raise read_timeout_s \(--read-timeout\)"):
+        with torch.no_grad():
+            m(IDS[:1, :1])
+    assert off.stats()["timeouts"] == 1
+    gate.set()
+    off.cache.drain(forever=True)  # the slow reads complete and are cached whole
+    off.cache.check()
+    s = off.stats()
+    assert s["reads"] >= 1 and s["failed_reads"] == 0 and s["bytes_read"] == s["reads"] * EXPERT_BYTES
+    ref = _reference(g4)
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        assert torch.equal(m(IDS[:1, :1]).logits, ref(IDS[:1, :1]).logits)
+    with pytest.raises(HfscaleError, match="read_timeout_s must be a positive number"):
+        from_pretrained(g4, ram_budget=8 * EXPERT_BYTES, read_timeout_s=0)
     off.close()
 
 
@@ -211,7 +298,8 @@ def test_cli_bad_input_one_line(g4, tmp_path):
     cases = [((dense, "--ram-budget", "1GB"), "no mixture-of-experts layers"),
              ((g4, "--ram-budget", "300kB"), "cannot read size"),
              ((g4, "--ram-budget", "300KB".replace("KB", "000B")), "smaller than one layer's routed experts"),
-             ((tmp_path / "nope", "--ram-budget", "1GB"), "not found")]
+             ((tmp_path / "nope", "--ram-budget", "1GB"), "not found"),
+             ((g4, "--ram-budget", "1MB", "--read-timeout", "0"), "--read-timeout must be a positive number")]
     for args, message in cases:
         r = run_cli("experts", *args, "--prompt", "x", cwd=tmp_path)
         assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)

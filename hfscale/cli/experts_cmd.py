@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 EPILOG = """exit codes: 0 done; 2 bad input (not an MoE model, a budget below one layer's top-k experts, a missing
-or unreadable model directory), one line on stderr.
+or unreadable model directory, an expert file that fails or outlasts --read-timeout), one line on stderr.
 
 examples:
   hfscale experts path/to/gemma4-moe --ram-budget 2GB --prompt "The history of" --max-new-tokens 32
   hfscale experts path/to/gemma4-moe --ram-budget 300MB --prefetch --blocks 8 --json   # held-out perplexity
+  hfscale experts path/to/gemma4-moe --ram-budget 300MB --reader mmap --read-timeout 30 --prompt "Hi"
 """
 
 
@@ -33,8 +34,11 @@ def add_parser(sub):
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--prefetch", action="store_true", help="read the next layer's likely experts ahead (its router "
                    "applied to the current layer's output)")
-    p.add_argument("--reader", default="pread", choices=READERS, help="pread (default; RSS = cache + resident "
-                   "weights) or mmap (safetensors get_slice; touched file pages count in RSS)")
+    p.add_argument("--reader", default="pread", choices=READERS, help="pread (default: copies each expert; a file "
+                   "truncated at any time is a clean error) or mmap (maps each expert in place, no copy, unmapped on "
+                   "eviction; a file truncated while mapped kills the process with SIGBUS)")
+    p.add_argument("--read-timeout", type=float, default=None, metavar="S", help="give up with an error when reading "
+                   "one expert takes longer than S seconds (default: wait)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -56,8 +60,11 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1 or args.blocks < 1 or args.seq_len < 2:
         raise HfscaleError("--max-new-tokens and --blocks must be >= 1, --seq-len >= 2")
+    if args.read_timeout is not None and not 0 < args.read_timeout < 1e6:
+        raise HfscaleError(f"--read-timeout must be a positive number of seconds (got {args.read_timeout})")
     tok = load_tokenizer(args.model)
-    model = from_pretrained(args.model, ram_budget=args.ram_budget, prefetch=args.prefetch, reader=args.reader)
+    model = from_pretrained(args.model, ram_budget=args.ram_budget, prefetch=args.prefetch, reader=args.reader,
+                            read_timeout_s=args.read_timeout)
     off = model.hfscale_experts
     out: dict = {"model": args.model, "ram_budget": off.budget, "reader": args.reader, "prefetch": args.prefetch}
     t0 = time.perf_counter()

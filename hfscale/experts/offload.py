@@ -2,21 +2,29 @@
 
 Every experts module (a `@use_experts_implementation` class with 3-D `gate_up_proj` / `down_proj`:
 Gemma 4's `Gemma4TextExperts`, `MixtralExperts`, `Qwen2MoeExperts`, ...) is replaced by an
-`OffloadedExperts` whose forward is transformers' eager expert loop, each expert's two matrices taken
-from the cache instead of a slice of the 3-D parameter. Everything else (attention, the routers,
-shared / dense MLPs, embeddings, norms) stays resident.
+`OffloadedExperts`. Everything else (attention, the routers, shared / dense MLPs, embeddings, norms)
+stays resident.
 
-Bit-identical logits: the loop visits the hit experts in the same order and calls the same
-`F.linear` on a contiguous [2I, H] / [H, I] matrix equal to the slice `gate_up_proj[e]`, so fp32
-logits equal the fully loaded model's with transformers' eager experts implementation, bit for bit
-(tests/test_experts.py: torch.equal, Gemma 4 MoE and Mixtral, CPU). transformers' default,
-`grouped_mm`, sorts token-expert pairs and sums the top-k outputs in another order: on the tiny
-Gemma 4 MoE its logits differ from eager's (and so from ours) by up to 1.9e-5 (fp32 rounding).
+The forward groups the layer's token-expert pairs by expert once (one stable sort), gathers the hidden
+states once, and asks the cache for the layer's routed experts together (`ExpertCache.get_many`): cached
+ones are computed first, then the missing ones as they are read. A layer that routes to more
+experts than the budget holds (a long prefill under a small budget) takes them one at a time instead, so
+no more than the budget is held. Read buffers of evicted experts are reused (pread reader).
+
+Bit-identical logits: per expert the same `F.linear` calls on the same rows (in the order
+transformers' eager loop gathers them) with a contiguous [2I, H] / [H, I] matrix equal to the slice
+`gate_up_proj[e]`, and the expert outputs are added to the result in ascending expert order as the
+eager loop adds them, whatever order they were computed in. So fp32 logits equal the fully loaded
+model's with transformers' eager experts implementation, bit for bit (tests/test_experts.py:
+torch.equal, Gemma 4 MoE and Mixtral, both readers, prefill and decode, CPU). transformers' default,
+`grouped_mm`, sums the top-k outputs in another order: on the tiny Gemma 4 MoE its logits differ from
+eager's (and so from ours) by up to 1.9e-5 (fp32 rounding).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,29 +82,56 @@ def _build_module_class():
     import torch
     from torch import nn
 
-    class _OffloadedExperts(nn.Module, OffloadedExperts):
-        """Routed experts read through an ExpertCache; forward = transformers' eager expert loop."""
+    linear = nn.functional.linear
 
-        def __init__(self, slot: int, num_experts: int, act_fn, fetch):
+    class _OffloadedExperts(nn.Module, OffloadedExperts):
+        """Routed experts read through an ExpertCache; per expert the same arithmetic as transformers'
+        eager expert loop (see the module docstring for why the logits are bit-identical)."""
+
+        def __init__(self, slot: int, num_experts: int, act_fn, fetch, fetch_many=None, capacity: int = 0):
             super().__init__()
             self.slot, self.num_experts, self.act_fn = slot, num_experts, act_fn
-            self._fetch = fetch  # (slot, expert) -> (gate_up [2I, H], down [H, I])
+            self._fetch = fetch            # (slot, expert) -> (gate_up [2I, H], down [H, I])
+            self._fetch_many = fetch_many  # [(slot, expert), ...] -> iterator of (key, (gate_up, down))
+            self.capacity = capacity       # experts the budget holds: a layer needing more goes one at a time
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
-            final = torch.zeros_like(hidden_states)
+            tokens = hidden_states.shape[0]
             with torch.no_grad():
-                mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-                hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-            for e in hit[:, 0].tolist():
-                if e == self.num_experts:
-                    continue
-                gate_up, down = self._fetch((self.slot, e))
-                top_k_pos, token_idx = torch.where(mask[e])
-                gate, up = nn.functional.linear(hidden_states[token_idx], gate_up).chunk(2, dim=-1)
-                out = nn.functional.linear(self.act_fn(gate) * up, down)
-                out = out * top_k_weights[token_idx, top_k_pos, None]
-                final.index_add_(0, token_idx, out.to(final.dtype))
-                del gate_up, down  # hold no expert past its use (an evicted one is freed here)
+                # token-expert pairs grouped by expert once: pairs in top-k-position-major order (pos * tokens
+                # + token), sorted stably by expert = per expert, the order torch.where(mask[e]) gives them
+                flat = top_k_index.t().reshape(-1)
+                order = torch.sort(flat, stable=True).indices
+                counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+            token_idx = order % tokens
+            x = hidden_states[token_idx]
+            w = top_k_weights.t().reshape(-1)[order, None]
+            spans, start = {}, 0
+            for e, c in enumerate(counts):
+                if c:
+                    spans[e] = (start, start + c)
+                    start += c
+            outs = {}
+
+            def run(e, gate_up, down):
+                a, b = spans[e]
+                gate, up = linear(x[a:b], gate_up).chunk(2, dim=-1)
+                outs[e] = linear(self.act_fn(gate) * up, down) * w[a:b]
+
+            gate_up = down = None
+            if self._fetch_many is not None and len(spans) <= self.capacity:
+                # a layer's experts at once: the cached ones first, then the others as they are read
+                for (_, e), (gate_up, down) in self._fetch_many([(self.slot, e) for e in spans]):
+                    run(e, gate_up, down)
+                del gate_up, down
+            else:  # more experts than the budget holds: one at a time, none held past its use
+                for e in spans:
+                    gate_up, down = self._fetch((self.slot, e))
+                    run(e, gate_up, down)
+                    del gate_up, down
+            final = torch.zeros_like(hidden_states)
+            for e, (a, b) in spans.items():  # summed in expert order, as the eager loop sums them
+                final.index_add_(0, token_idx[a:b], outs[e].to(final.dtype))
             return final
 
         def extra_repr(self) -> str:
@@ -133,15 +168,19 @@ class ExpertOffload:
     statistics, read-ahead on/off, and close() (releases files, threads and a temporary folder)."""
 
     def __init__(self, model, sources: dict[int, ExpertSource], shapes: dict[int, Shape], budget: int,
-                 reader: str, dtype, cleanup=None):
+                 reader: str, dtype, cleanup=None, read_timeout_s: float | None = None):
         self.sources, self.shapes, self.budget, self.dtype = sources, shapes, budget, dtype
         self.reader = Reader(reader)
         self.top_k = top_k(model.config)
-        self.cache = ExpertCache(self._load, lambda key: self.shapes[key[0]].expert_bytes, budget)
+        self.cache = ExpertCache(self._load, lambda key: self.shapes[key[0]].expert_bytes, budget,
+                                 read_timeout_s=read_timeout_s, describe=self._describe,
+                                 on_evict=self._retire if reader == "pread" else None)
         self._cleanup = cleanup
         self._hooks: list = []
         self._layers = _decoder_layers(model)
         self._slots = sorted(sources)
+        self._spare_lock = threading.Lock()
+        self._spare: list = []  # read buffers of evicted experts: (buffer, weakrefs to the tensors handed out)
 
     @property
     def expert_bytes(self) -> int:
@@ -151,18 +190,66 @@ class ExpertOffload:
     def streamed_bytes(self) -> int:
         return sum(s.expert_bytes * s.num_experts for s in self.shapes.values())
 
-    def _load(self, key):
+    def _describe(self, key) -> str:
         slot, e = key
-        gate_up_parts, (down_ref, di) = self.sources[slot].refs(e)
-        parts = [self.reader.read(ref, i, self.dtype) for ref, i in gate_up_parts]
+        _, (down_ref, _) = self.sources[slot].refs(e)
+        return f"expert {e} of layer {slot} from {down_ref.file}"
+
+    # ------------------------------------------------------------------ reading, with recycled buffers
+    def _retire(self, key, value) -> None:
+        """An evicted expert's buffer is read into again once nothing uses its tensors (the running forward
+        may still hold them: weakrefs tell). At most two wait; the others are left to be freed."""
         import torch
 
-        gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        with self._spare_lock:
+            if len(self._spare) >= 2:
+                return
+            gate_up, down = value
+            buf = torch.empty(0, dtype=torch.uint8).set_(gate_up.untyped_storage())
+            if buf.numel() == gate_up.nbytes + down.nbytes:  # one buffer per expert, as _load reads them
+                self._spare.append((buf, weakref.ref(gate_up), weakref.ref(down)))
+
+    def _buffer(self, n: int):
+        import torch
+
+        for i, (buf, *refs) in enumerate(self._spare):
+            if buf.numel() == n and all(r() is None for r in refs):
+                del self._spare[i]
+                return buf
+        return torch.empty(n, dtype=torch.uint8)
+
+    def _load(self, key):
+        """Expert (slot, e) as (gate_up [2I, H], down [H, I]), both views of one buffer of its bytes."""
+        slot, e = key
         shape = self.shapes[slot]
-        down = self.reader.read(down_ref, di, self.dtype)
-        if tuple(gate_up.shape) != shape.gate_up or tuple(down.shape) != shape.down:
-            raise HfscaleError(f"expert {e} of layer {slot} on disk is {tuple(gate_up.shape)} / {tuple(down.shape)}, "
-                               f"the model wants {shape.gate_up} / {shape.down}; the weights do not match the config")
+        gate_up_parts, (down_ref, di) = self.sources[slot].refs(e)
+        for ref, i in [*gate_up_parts, (down_ref, di)]:
+            got = ref.shape[1:] if i >= 0 else ref.shape
+            if len(got) != 2:
+                raise HfscaleError(f"expert {e} of layer {slot} on disk has shape {tuple(got)}; the weights do not "
+                                   "match the config")
+        rows = [ref.shape[-2] for ref, _ in gate_up_parts]
+        if sum(rows) != shape.gate_up[0] or any(ref.shape[-1] != shape.gate_up[1] for ref, _ in gate_up_parts) \
+                or tuple(down_ref.shape[-2:]) != shape.down:
+            got_gu = (sum(rows), gate_up_parts[0][0].shape[-1])
+            raise HfscaleError(f"expert {e} of layer {slot} on disk is {got_gu} / {tuple(down_ref.shape[-2:])}, the model "
+                               f"wants {shape.gate_up} / {shape.down}; the weights do not match the config")
+        if self.reader.kind == "mmap":  # mapped in place; Mixtral / Qwen-MoE gate and up are concatenated
+            import torch
+
+            parts = [self.reader.map(ref, i, self.dtype) for ref, i in gate_up_parts]
+            gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            return gate_up, self.reader.map(down_ref, di, self.dtype)
+        with self._spare_lock:
+            buf = self._buffer(shape.expert_bytes)
+        at, item = 0, shape.itemsize
+        for (ref, i), r in zip(gate_up_parts, rows):
+            n = r * shape.gate_up[1] * item
+            self.reader.read(ref, i, self.dtype, out=buf[at:at + n])
+            at += n
+        self.reader.read(down_ref, di, self.dtype, out=buf[at:])
+        gate_up = buf[:at].view(self.dtype).view(shape.gate_up)
+        down = buf[at:].view(self.dtype).view(shape.down)
         return gate_up, down
 
     # ------------------------------------------------------------------ read-ahead
@@ -211,6 +298,7 @@ class ExpertOffload:
     def close(self) -> None:
         self.set_prefetch(False)
         self.cache.close()
+        self._spare.clear()
         self.reader.close()
         if self._cleanup is not None:
             self._cleanup()
@@ -247,29 +335,37 @@ def _check_budget(budget: int, shapes: dict[int, Shape], k: int) -> None:
                            f"{need // k:,} bytes = {need:,}); give at least --ram-budget {need / 1e6:.1f}MB")
 
 
-def _swap_in(model, experts: list[tuple[str, object]], fetch) -> None:
+def _swap_in(model, experts: list[tuple[str, object]], off: ExpertOffload | None) -> None:
     cls = _module_class()
     for name, mod in experts:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, cls(_slot(name), mod.num_experts, mod.act_fn, fetch))
+        if off is None:  # placeholders while the resident weights load
+            setattr(parent, attr, cls(_slot(name), mod.num_experts, mod.act_fn, None))
+        else:
+            setattr(parent, attr, cls(_slot(name), mod.num_experts, mod.act_fn, off.cache.get, off.cache.get_many,
+                                       off.budget // off.expert_bytes))
 
 
-def _attach(model, sources, shapes, experts, budget, reader, dtype, prefetch, cleanup=None) -> ExpertOffload:
+def _attach(model, sources, shapes, experts, budget, reader, dtype, prefetch, cleanup=None,
+            read_timeout_s=None) -> ExpertOffload:
     _check_budget(budget, shapes, top_k(model.config))
-    off = ExpertOffload(model, sources, shapes, budget, reader, dtype, cleanup)
-    _swap_in(model, experts, off.cache.get)
+    off = ExpertOffload(model, sources, shapes, budget, reader, dtype, cleanup, read_timeout_s)
+    _swap_in(model, experts, off)
     model.hfscale_experts = off
     off.set_prefetch(prefetch)
     weakref.finalize(model, off.close)
     return model
 
 
-def from_pretrained(path, ram_budget, dtype=None, prefetch: bool = False, reader: str = "pread"):
+def from_pretrained(path, ram_budget, dtype=None, prefetch: bool = False, reader: str = "pread",
+                    read_timeout_s: float | None = None):
     """A transformers MoE model from a local safetensors directory whose routed experts are never all in
     memory, not even while loading: the model is built with parameters on the meta device, every other
     tensor is read from the files, the experts stay in them and are read on demand into an LRU cache of
-    at most `ram_budget` bytes (int, or a size such as "2GB"). `dtype` (default fp32) is the compute dtype."""
+    at most `ram_budget` bytes (int, or a size such as "2GB"). `dtype` (default fp32) is the compute dtype.
+    `read_timeout_s`: a read of one expert that takes longer raises HfscaleError instead of waiting on
+    (None: wait as long as the storage takes)."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -297,10 +393,10 @@ def from_pretrained(path, ram_budget, dtype=None, prefetch: bool = False, reader
                                "layouts); re-save the model with transformers' save_pretrained")
         sources[_slot(name)] = src
     layouts = {s.layout for s in sources.values()}
-    _swap_in(model, experts, fetch=None)  # drop the meta expert parameters before loading the rest
+    _swap_in(model, experts, None)  # drop the meta expert parameters before loading the rest
     _load_resident(model, path, tensors, expert_keys(list(sources.values())), layouts, dtype)
     model.eval()
-    return _attach(model, sources, shapes, experts, budget, reader, dtype, prefetch)
+    return _attach(model, sources, shapes, experts, budget, reader, dtype, prefetch, None, read_timeout_s)
 
 
 def _load_resident(model, path: Path, tensors: dict, skip: set[str], layouts, dtype) -> None:
@@ -337,7 +433,8 @@ def _load_resident(model, path: Path, tensors: dict, skip: set[str], layouts, dt
         raise HfscaleError(f"{path} lacks {missing[0]} ({len(missing)} tensors missing); the checkpoint is incomplete")
 
 
-def offload_(model, ram_budget, folder=None, prefetch: bool = False, reader: str = "pread", force: bool = False):
+def offload_(model, ram_budget, folder=None, prefetch: bool = False, reader: str = "pread", force: bool = False,
+             read_timeout_s: float | None = None):
     """Move the routed experts of a model already in memory to safetensors files (one per MoE layer) in
     `folder` (default: a temporary folder removed by model.hfscale_experts.close() or at exit) and free
     them; they are read back on demand into an LRU cache of at most `ram_budget` bytes."""
@@ -369,7 +466,7 @@ def offload_(model, ram_budget, folder=None, prefetch: bool = False, reader: str
             _write_experts(tmp, experts, save_file, torch)
     tensors = all_tensors(sorted(out.glob("experts-*.safetensors")))
     sources = {_slot(n): find_source(n, tensors) for n, _ in experts}
-    return _attach(model, sources, shapes, experts, budget, reader, dtype, prefetch, cleanup)
+    return _attach(model, sources, shapes, experts, budget, reader, dtype, prefetch, cleanup, read_timeout_s)
 
 
 def _write_experts(out: Path, experts, save_file, torch) -> None:

@@ -10,14 +10,16 @@ transformers v5 keeps each MoE layer's routed experts as two 3-D parameters (`Ge
   gate_up is gate and up concatenated on rows, as transformers' MergeModulelist + Concatenate(dim=1)
   builds it on load.
 
-Two readers, same bytes:
+Two readers, same bytes (tests/test_experts.py: bit-identical logits with either):
 - "pread" (default): the tensor's byte range is read with os.pread from offsets in the safetensors
   header. Nothing of the file is mapped into the process, so its resident set is the expert cache
   plus the resident weights: the budget is what `ps` shows.
-- "mmap": safetensors' own `safe_open(...).get_slice(name)[e]` on the memory-mapped file. Pages it
-  touches count in the process's RSS (file-backed, reclaimable) until the file is closed, so RSS
-  grows towards the size of every expert ever read (measured in benchmarks/experts.py), and a file
-  truncated under a running model kills the process with SIGBUS, where pread raises a clean error.
+- "mmap": the expert's byte range is mapped (MAP_POPULATE) and used in place, without a copy: the
+  cache holds mappings, and an evicted expert is unmapped once the forward no longer uses it, so the
+  process's RSS (file-backed) stays bounded by the budget like pread's (anonymous). Faster (no memcpy
+  from the page cache), but a file truncated while an expert of it is mapped and used kills the
+  process with SIGBUS (a truncation before the read is caught by a size check); pread raises a clean
+  error at any time.
 A read that fails (missing or truncated file, bad header) raises HfscaleError naming the file.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,58 +154,98 @@ def expert_keys(sources: list[ExpertSource]) -> set[str]:
 
 
 class Reader:
-    """Reads one expert's tensors. Holds an open file (pread: a descriptor; mmap: safetensors'
-    safe_open) per checkpoint file; close() releases them."""
+    """Reads one expert's tensors through one descriptor per checkpoint file; close() releases them.
+    `read` copies the bytes (pread); `map` maps them (mmap). A failure of either closes that file's
+    descriptor, so the next attempt opens it again by path (a file replaced since is read anew)."""
 
     def __init__(self, kind: str = "pread"):
         if kind not in READERS:
             raise HfscaleError(f"expert reader {kind!r} is not known; choose one of {', '.join(READERS)}")
         self.kind = kind
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, int] = {}
+        self._lock = threading.Lock()  # reads run on the caller's thread and on the cache's worker
 
-    def _handle(self, file: Path):
-        h = self._open.get(file)
-        if h is None:
-            try:
-                if self.kind == "pread":
+    def _handle(self, file: Path) -> int:
+        with self._lock:
+            h = self._open.get(file)
+            if h is None:
+                try:
                     h = os.open(file, os.O_RDONLY)
-                else:
-                    from safetensors import safe_open
+                except OSError as e:
+                    raise HfscaleError(f"cannot open expert weights {file} ({first_line(e, 160)}); the model directory "
+                                       "changed since loading: put the file back or load the model again") from None
+                self._open[file] = h
+            return h
 
-                    h = safe_open(str(file), framework="pt")
-            except Exception as e:  # noqa: BLE001 - OSError or SafetensorError: one line either way
-                raise HfscaleError(f"cannot open expert weights {file} ({first_line(e, 160)}); "
-                                   "the model directory changed since loading: load it again") from None
-            self._open[file] = h
-        return h
+    @staticmethod
+    def _range(ref: TensorRef, index: int) -> tuple[int, int, tuple[int, ...]]:
+        """(absolute start, bytes, shape) of expert `index` of a packed [E, ...] tensor, or of a whole
+        per-expert tensor (index -1)."""
+        if index < 0:
+            return ref.start, ref.nbytes, ref.shape
+        n = ref.nbytes // ref.shape[0]
+        return ref.start + n * index, n, ref.shape[1:]
 
-    def read(self, ref: TensorRef, index: int, dtype):
-        """Expert `index` of a packed [E, ...] tensor (index >= 0), or the whole per-expert tensor (-1)."""
+    def _failed(self, ref: TensorRef, e: Exception):
+        with self._lock:
+            h = self._open.pop(ref.file, None)
+        if h is not None:
+            os.close(h)
+        return HfscaleError(f"reading expert weights from {ref.file} failed ({first_line(e, 160)}); "
+                            "check the file (re-save the model) and load it again")
+
+    def read(self, ref: TensorRef, index: int, dtype, out=None):
+        """The tensor's bytes copied with os.preadv, as `dtype`. `out`: a uint8 tensor of exactly its bytes
+        in `dtype` to read into (a recycled buffer); the result is then a view of it."""
         import torch
 
-        shape = ref.shape[1:] if index >= 0 else ref.shape
+        start, n, shape = self._range(ref, index)
+        src = getattr(torch, _DTYPES[ref.dtype])
+        h = self._handle(ref.file)
+        direct = out is not None and src == dtype
+        buf = out if direct else torch.empty(n, dtype=torch.uint8)
+        try:
+            done = os.preadv(h, [memoryview(buf.numpy())], start)
+            if done != n:
+                raise OSError(f"short read: {done} of {n} bytes at offset {start} (truncated file?)")
+        except OSError as e:
+            raise self._failed(ref, e) from None
+        got = buf.view(src).reshape(shape)
+        if direct:
+            return got
+        if out is not None:
+            return out.view(dtype).view(shape).copy_(got)
+        return got.to(dtype) if got.dtype != dtype else got
+
+    def map(self, ref: TensorRef, index: int, dtype):
+        """The tensor's pages mapped read-only (MAP_POPULATE: the page tables are filled, and pages not in
+        the page cache read, inside this call) and viewed as a tensor without a copy; unmapped when the
+        last tensor using them is freed. The file's size is checked first, so a file truncated before the
+        read raises; one truncated while its pages are mapped and used faults (SIGBUS), as any mmap does."""
+        import mmap
+        import warnings
+
+        import torch
+
+        start, n, shape = self._range(ref, index)
+        src = getattr(torch, _DTYPES[ref.dtype])
         h = self._handle(ref.file)
         try:
-            if self.kind == "mmap":
-                t = h.get_slice(ref.name)
-                out = t[index] if index >= 0 else t[:]
-            else:
-                n = ref.nbytes // ref.shape[0] if index >= 0 else ref.nbytes
-                start = ref.start + (n * index if index >= 0 else 0)
-                buf = torch.empty(n, dtype=torch.uint8)
-                got = os.preadv(h, [memoryview(buf.numpy())], start)
-                if got != n:
-                    raise OSError(f"short read: {got} of {n} bytes at offset {start} (truncated file?)")
-                out = buf.view(getattr(torch, _DTYPES[ref.dtype])).reshape(shape)
-        except HfscaleError:
-            raise
-        except Exception as e:  # noqa: BLE001 - I/O and safetensors errors become one line
-            raise HfscaleError(f"reading expert weights from {ref.file} failed ({first_line(e, 160)}); "
-                               "check the file (re-save the model) and load it again") from None
-        return out.to(dtype) if out.dtype != dtype else out
+            size = os.fstat(h).st_size
+            if start + n > size:
+                raise OSError(f"the file is {size} bytes, the tensor ends at byte {start + n} (truncated file?)")
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(h, n + start - base, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ,
+                           offset=base)
+        except (OSError, ValueError) as e:
+            raise self._failed(ref, e) from None
+        with warnings.catch_warnings():  # read-only pages: the forward never writes expert weights
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(mm, dtype=src, count=n // src.itemsize, offset=start - base).view(shape)
+        return t.to(dtype) if src != dtype else t
 
     def close(self) -> None:
-        for h in self._open.values():
-            if isinstance(h, int):
-                os.close(h)
-        self._open.clear()
+        with self._lock:
+            handles, self._open = list(self._open.values()), {}
+        for h in handles:
+            os.close(h)
