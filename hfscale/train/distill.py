@@ -17,8 +17,9 @@ Where the frozen teacher lives is `teacher_placement` (TEACHER_PLACEMENTS):
               keeps 1/world of every teacher tensor (persistence thresholds 0: no small tensor stays
               whole) and the teacher's logits are those of the whole model. It is loaded whole on each
               rank first and partitioned after (no zero.Init at load): the load peak is the full model.
-Ran on CPU only (2 gloo processes, tests/test_distill_path.py): zero3 holds half of every tensor per
-rank and gives the replicated run's losses.
+Ran on CPU only (2 gloo processes, ZeRO-2 student, tests/test_distill_path.py): zero3 holds half of
+every tensor per rank and gives the replicated run's losses. A ZeRO-3 student with a zero3 teacher, and
+--resume latest under it, ran by hand (3 steps, the same losses); never on a GPU.
 """
 
 from __future__ import annotations
