@@ -17,13 +17,13 @@ def cache_root() -> Path:
 
 
 def cached_json(path: Path, compute: Callable[[], dict], valid: Callable[[dict], object] = lambda d: d) -> dict:
-    """The JSON at `path` if it reads back and `valid(data)` does not raise ValueError/KeyError/TypeError;
+    """The JSON at `path` if it reads back and `valid(data)` does not raise ValueError/KeyError/TypeError/AttributeError;
     else `compute()`, written atomically (a cache that cannot be written is skipped: it only saves time)."""
     try:
         data = json.loads(path.read_text())
         valid(data)
         return data
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable, foreign or stale
         pass
     value = compute()
     try:

@@ -64,3 +64,11 @@ def test_warm_plan_imports_no_torch_and_answers_the_same(tmp_path):
     config.write_text(json.dumps(data))
     edited = _plan(env, "--model", str(config))
     assert edited["torch"] and json.loads(edited["out"])["params"] > first["params"]
+
+
+def test_a_model_without_attention_heads_keeps_why():
+    from transformers import MambaConfig
+
+    shape = shape_of(MambaConfig(num_hidden_layers=2))
+    assert shape.heads is None and "mamba" in shape.heads_error and shape.layers == 2
+    assert ModelShape.from_dict(json.loads(json.dumps(shape.to_dict()))) == shape

@@ -107,7 +107,7 @@ def _parallel_sizes(args, heads):
 
 def _no_sp_note(args, heads, sizes) -> str:
     """Why no sequence-parallel candidate was planned, when the model rules it out."""
-    if args.sp is not None or any(sp > 1 for sp, _, _ in sizes):
+    if heads is None or args.sp is not None or any(sp > 1 for sp, _, _ in sizes):
         return ""
     from ..scale.parallel import model_problems
     from ..scale.spec import Parallel
@@ -143,6 +143,8 @@ def run(args) -> int:
     # the trace runs transformers' code on the real config; the analytic plan reads the cached shape (no torch)
     config = load_config(args.model) if args.trace else None
     shape = shape_of(config) if config is not None else model_shape(args.model)
+    if shape.heads is None and any(v not in (None, 1) for v in (args.sp, args.tp, args.cp)):
+        raise HfscaleError(shape.heads_error)
     par = _parallel_sizes(args, shape.heads)
     dp = args.dp if args.dp is not None else (hw.world // par.size if hw else 1)  # --dp 0 is refused, not made 1
     s = Strategy(zero=args.zero, dp=dp, precision=args.precision, optimizer=args.optimizer, offload=args.offload,
@@ -188,7 +190,8 @@ def run(args) -> int:
         layers = shape.layers
         from ..plan.parallel import parallel_options
 
-        sizes = parallel_options(shape.heads, hw, args.seq_len, args.sp, args.tp, args.cp)
+        sizes = (parallel_options(shape.heads, hw, args.seq_len, args.sp, args.tp, args.cp) if shape.heads is not None
+                 else [(1, 1, 1)])
         try:
             rows = candidates(d, hw, args.seq_len, tokens, args.precision, args.attention, step_peak=traced, layers=layers,
                               parallel=sizes)

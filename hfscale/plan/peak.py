@@ -140,7 +140,9 @@ def scaled_trace(config, **kw) -> StepTrace:
 
     micro = [{ph: ext(ma[ph], mb[ph]) for ph in ma} for ma, mb in zip(a.micro, b.micro)]
     return replace(full, micro=micro, seconds=a.seconds + b.seconds + full.seconds, depth=[L0, L1],
-                   micro_batch=a.micro_batch, seq_len=a.seq_len, attention=a.attention, checkpointing=a.checkpointing)
+                   micro_batch=a.micro_batch, seq_len=a.seq_len, attention=a.attention, checkpointing=a.checkpointing,
+                   kernels=a.kernels, attention_kernels={k: a.attention_kernels.get(k, 0) + n * (v - a.attention_kernels.get(k, 0))
+                                                         for k, v in b.attention_kernels.items()})
 
 
 def _cached_json(kind: str, config, kw: dict, compute) -> dict:

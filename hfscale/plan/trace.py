@@ -121,9 +121,9 @@ class StepTrace:
 
 ASSUMES = ("CPU kernels (CUDA flash / memory-efficient attention save different tensors); "
            "no allocator caching, fragmentation or CUDA context")
-ASSUMES_CUDA = ("CUDA attention kernels as torch's sm80+ dispatcher picks them (flash without a mask in fp16/bf16, "
-                "else memory-efficient; not cuDNN), traced with their fake implementations, not compared with a GPU run; "
-                "no allocator caching, fragmentation or CUDA context")
+ASSUMES_CUDA = ("CUDA attention kernels as torch's dispatcher picks them on A100 / H100 (flash without a mask in "
+                "fp16/bf16, math for grouped K/V heads flash cannot take, else memory-efficient; not cuDNN), traced with "
+                "their fake implementations, not compared with a GPU run; no allocator caching, fragmentation or CUDA context")
 
 
 def _build(config, precision: str, attention: str, lora_rank: int):
@@ -225,12 +225,17 @@ def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=()) -> 
 
 
 def _segments(samples, arrivals) -> list:
+    """[param index, elements, peak bytes, kinds at the peak] from each arrival to the next (samples are in op
+    order and taken only when the live bytes change: a span without one holds the last earlier sample)."""
+    import bisect
+
+    ops = [smp.op for smp in samples]
     out, bounds = [], [(-1, 0, -1), *arrivals]
     for j, (i, n, op) in enumerate(bounds):
-        end = bounds[j + 1][2] if j + 1 < len(bounds) else float("inf")
-        inside = [smp for smp in samples if op <= smp.op < end] or [max((smp for smp in samples if smp.op <= op),
-                                                                        key=lambda smp: smp.op, default=None)]
-        top = max((smp for smp in inside if smp is not None), key=lambda smp: sum(smp.kinds.values()), default=None)
+        lo = max(bisect.bisect_right(ops, op) - 1, 0)  # the state at the arrival, then every change before the next
+        hi = bisect.bisect_left(ops, bounds[j + 1][2]) if j + 1 < len(bounds) else len(ops)
+        span = samples[lo:max(hi, lo + 1)]
+        top = max(span, key=lambda smp: sum(smp.kinds.values()), default=None)
         kinds = dict(top.kinds) if top is not None else {}
         out.append([i, n, sum(kinds.values()), kinds])
     return out

@@ -13,9 +13,11 @@ P trainable elements, d bytes per parameter element: 4 fp32, 2 bf16; A = 8P, Ada
                 the traced gradient arrivals (`stage2_walk`; one flat group in optimizer order, as hfscale's
                 recipes build it): two reduce buffers (overlap_comm) and the bucket being filled (3 x
                 reduce_bucket_size elements) once gradients arrive, an oversized gradient until the next
-                reduction, the rank's gradient partition d*P/N from the first reduction of one of its own
+                reduction, the rank's gradient-partition buffer from the first reduction of one of its own
                 parameters (early on the last rank, which owns the last layers; late on rank 0, which owns
-                the embeddings and first layers), and with accumulation the previous micro batches' partition d*P/N.
+                the embeddings and first layers), and with accumulation the previous micro batch's buffer
+                (kept by all_grad_tensors). The buffer holds whole parameters: d x the elements of every
+                parameter overlapping the rank's partition of the flat group (padded to 2 x N elements).
                 Traces scaled in depth keep no arrivals: there the partition counts from the first gradient
                 on (the last rank's case)
   stage 3       gradients in backward 1/N; the parameter partition d*P/N and the flat gradient-partition
@@ -27,8 +29,8 @@ P trainable elements, d bytes per parameter element: 4 fp32, 2 bf16; A = 8P, Ada
 
 Measured on CPU against `hfscale profile` inside 2 ranks (tiny Gemma 3, fp32 and bf16, forloop AdamW):
 within 0.003% on the steady peaks of ZeRO-1, 2 and 3 and with offload without checkpointing, and on ZeRO-3
-every:2; ZeRO-2 with checkpointing or gradient accumulation within -1.7% to +0.1% per rank (before the
-per-rank walk, rank 1 was under-predicted by up to 7.5%); all in benchmarks/results/step_peak.md.
+every:2; ZeRO-2 with checkpointing or gradient accumulation per rank as well (before the per-rank walk,
+rank 1 was under-predicted by up to 7.5%); all in benchmarks/results/step_peak.md.
 Step 1 of ZeRO-3 releases parameters after use (nothing is traced yet): none gathered at the peaks.
 CPU offload (DeepSpeedCPUAdam, in place): AdamW's moments, the master and fp32 gradient partitions
 (and at stage 3 the parameter partition, at stages 1-2 an fp32 staging buffer of the largest parameter)
@@ -53,9 +55,9 @@ HOST = "host_"  # kinds with this prefix live in host memory (CPU offload): not 
 
 
 def owned(numels: list[int], ranks: int, rank: int) -> set[int]:
-    """Indices of the parameters (optimizer order, one flat group padded to the rank count, as DeepSpeed
-    partitions it) whose elements overlap `rank`'s partition."""
-    part = -(-sum(numels) // ranks)
+    """Indices of the parameters (optimizer order, one flat group padded to a multiple of 2 x ranks, as
+    DeepSpeed's nccl_start_alignment_factor aligns it) whose elements overlap `rank`'s partition."""
+    part = -(-sum(numels) // (2 * ranks)) * 2
     lo, hi, out, off = rank * part, (rank + 1) * part, set(), 0
     for i, n in enumerate(numels):
         if off < hi and off + n > lo:
@@ -85,19 +87,21 @@ def stage2_walk(arrivals: list, mine: set[int], bucket: int) -> list[tuple[bool,
     return out
 
 
-def _stage2_backward(tr: StepTrace, dp: int, rank: int, d: int, part: int, bucket: int,
+def _stage2_backward(tr: StepTrace, dp: int, rank: int, d: int, bucket: int,
                      grad_accum: int) -> dict[str, int]:
     """Stage 2's backward peak on `rank` over the traced gradient arrivals (see the module docstring)."""
     mine = owned(tr.param_numels, dp, rank)
+    own = d * sum(tr.param_numels[i] for i in mine)  # DeepSpeed copies whole parameters into the partition buffer
     best: dict[str, int] = {}
     for m, segments in enumerate(tr.grad_arrivals[: 1 if grad_accum == 1 else 2]):
         walk = stage2_walk(segments[1:], mine, bucket)
         for k, ((_, _, _, kinds), (alloc, big)) in enumerate(zip(segments, walk)):
             out = {n: kinds.get(n, 0) for n in ("activations", "temporaries", "buffers", "parameters")}
-            # the previous micro batches' partition (accumulated), the two overlap_comm buffers and the bucket
-            # being filled, an oversized gradient waiting for its reduction
-            out["gradients"] = (d * part if m else 0) + (3 * bucket * d if k or m else 0) + d * big
-            out["grad_partition"] = d * part if alloc else 0
+            # the previous micro batches' partition buffer (kept by all_grad_tensors), the reduce buffers and the
+            # bucket being filled (released after each backward, set up at its first gradient), an oversized
+            # gradient waiting for its reduction
+            out["gradients"] = (own if m else 0) + (3 * bucket * d if k else 0) + d * big
+            out["grad_partition"] = own if alloc else 0
             if sum(out.values()) > sum(best.values()):
                 best = out
     return best
@@ -147,7 +151,7 @@ def deepspeed_phases(tr: StepTrace, zero: int, dp: int, offload: str, hidden: in
             kinds["parameters"] = k.get("parameters", 0)
         if phase == "backward" and zero == 2 and not off and tr.grad_arrivals:
             ranks = range(N) if rank is None else [rank]
-            kinds = max((_stage2_backward(tr, N, r, d, part, hidden * hidden, grad_accum) for r in ranks),
+            kinds = max((_stage2_backward(tr, N, r, d, hidden * hidden, grad_accum) for r in ranks),
                         key=lambda x: sum(x.values()))
         kinds[where + "optimizer"] = states if steady else 0
         held = dict(fixed)
