@@ -10,7 +10,7 @@ reported. Student: `hfscale prune TEACHER --params 0.5x` (hidden and MLP channel
 heads and the sliding/global pattern stay), importance from the built-in calibration text.
 
 Everything below runs through hfscale's own commands, as a user types them:
-  hfscale prune teacher --params 0.5x --out student
+  hfscale prune teacher --params 0.5x --out student            (--prune-extra "--heads 2": half the query heads too)
   hfscale quantize {teacher,student} --format gguf --qtype F16|Q4_0     (llama.cpp)
   hfscale quantize {teacher,student} --format pte --qtype 8da4w --max-seq-len 1280   (ExecuTorch, XNNPACK)
   hfscale bench TEACHER_ARTIFACT --compare STUDENT_ARTIFACT --json --runs N --threads T
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -65,7 +66,7 @@ def sh(*args, what: str) -> subprocess.CompletedProcess:
     return r
 
 
-def build(work: Path, layers: int, threads: int) -> dict:
+def build(work: Path, layers: int, threads: int, prune_extra: tuple[str, ...] = ()) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -76,8 +77,8 @@ def build(work: Path, layers: int, threads: int) -> dict:
     teacher = AutoModelForCausalLM.from_config(teacher_config(layers), dtype=torch.float32)
     save_model_dir(teacher, work / "teacher", tokenizer=load_tokenizer("tiny-gemma3"))
     del teacher
-    r = sh("prune", work / "teacher", "--out", work / "student", "--params", "0.5x", "--calib-blocks", "16", "--json",
-           what="hfscale prune --params 0.5x")
+    r = sh("prune", work / "teacher", "--out", work / "student", "--params", "0.5x", *prune_extra, "--calib-blocks", "16",
+           "--json", what="hfscale prune --params 0.5x " + " ".join(prune_extra))
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -159,8 +160,8 @@ def expected(res: dict) -> dict:
     p, d = res["prompt_tokens"], res["decode_tokens"]
     out = {}
     for name, ctx in (("prefill", (min(p, 512) + p) / 2), ("decode", p + d / 2)):
-        t = macs_per_token(n, b["hidden_size"], b["intermediate_size"], ctx)
-        s = macs_per_token(n, a["hidden_size"], a["intermediate_size"], ctx)
+        t = macs_per_token(n, b["hidden_size"], b["intermediate_size"], ctx, nq=b["heads"])
+        s = macs_per_token(n, a["hidden_size"], a["intermediate_size"], ctx, nq=a["heads"])
         out[name] = {"ctx": ctx, "teacher_macs": t, "student_macs": s, "speedup": t / s}
     return out
 
@@ -173,7 +174,7 @@ def markdown(res: dict, png: str = "prune_speed.png") -> str:
              f"`nice -n 5`; teacher and student runs alternate inside each `hfscale bench --compare`). "
              f"`{res['command']}`, {res['seconds'] / 60:.1f} min.\n",
              f"Teacher: {p['teacher']:,} parameters, random seeded init (untrained: speed only, no perplexity). "
-             f"Student: `hfscale prune --params 0.5x`: {res['prune_summary']}.\n",
+             f"Student: `{res.get('prune_command', 'hfscale prune TEACHER --params 0.5x')}`: {res['prune_summary']}.\n",
              f"Each row: `hfscale bench TEACHER --compare STUDENT --runs {res['runs']} --threads {res['threads']} "
              f"--prompt-tokens {res['prompt_tokens']} --decode-tokens {res['decode_tokens']}`; median (min-max) over "
              f"{res['runs']} fresh-process runs each.\n",
@@ -207,11 +208,13 @@ def markdown(res: dict, png: str = "prune_speed.png") -> str:
         q = pr.get("paired_ratios") or paired(pr)
         lines.append(f"| {label} | " + " | ".join(f"{q[m]['median']:.2f} ({q[m]['min']:.2f}-{q[m]['max']:.2f})" for m in PAIRED) + " |")
     ex = expected(res)
-    lines += ["", "What the arithmetic allows (multiply-adds per token, `macs_per_token`): pruning shrank the projections "
-              "and the MLP to 0.49x, but kept the 4 heads x 256 head_dim, so attention over the context costs the same: "
+    heads = (res["prune"]["before"]["heads"], res["prune"]["after"]["heads"])
+    lines += ["", "What the arithmetic allows (multiply-adds per token, `macs_per_token`): "
+              + ("pruning kept the 4 heads x 256 head_dim, so attention over the context costs the same: " if heads[0] == heads[1]
+                 else f"query heads {heads[0]} -> {heads[1]} halve attention over the context as well: ")
               + "; ".join(f"{k} (mean context {v['ctx']:,.0f}) teacher {v['teacher_macs'] / 1e6:.1f}M vs student "
                           f"{v['student_macs'] / 1e6:.1f}M = {v['speedup']:.2f}x" for k, v in ex.items())
-              + ". Fewer heads (`--heads 2`) would cut that part too (not measured here)."]
+              + "." + (" Fewer heads (`--heads 2`) cut that part too: see prune_speed_heads2.md." if heads[0] == heads[1] else "")]
     lines += ["", "\"runs don't overlap\": the student's slowest run beat the teacher's fastest run.",
               "A .pte program takes one token per call, so its prefill is that many single-token steps.",
               "Peak RSS of a run = VmHWM of its process: interpreter + runtime + weights + KV cache.", "",
@@ -226,6 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="runtime threads (1: the 2 cores here are shared)")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--prune-extra", default="", help="more hfscale prune flags, e.g. '--heads 2'")
     ap.add_argument("--formats", default=",".join(f[0] for f in FORMATS),
                     help="comma-separated subset of: " + ", ".join(f[0] for f in FORMATS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prune_speed"))
@@ -244,17 +248,18 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="prune_speed-") as tmp:
         work = Path(tmp)
-        pr = build(work, a.layers, a.threads)
+        pr = build(work, a.layers, a.threads, tuple(a.prune_extra.split()))
         arts = export(work, a.prompt_tokens, a.decode_tokens, formats)
         pairs = {label: bench_pair(ab["teacher"], ab["student"], a.runs, a.prompt_tokens, a.decode_tokens, a.threads)
                  for label, ab in arts.items()}
-    res = {"command": "benchmarks/prune_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = {"command": "benchmarks/prune_speed.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
            "seconds": time.perf_counter() - t0, "host": host_info(a.threads), "weights": "random (seeded init, untrained)",
            "params": {"teacher": pr["params_before"], "student": pr["params_after"]},
            "prune_summary": f"{pr['params_before']:,} -> {pr['params_after']:,} parameters "
                             f"({pr['params_after'] / pr['params_before']:.3f}x); " + ", ".join(
                                 f"{k.replace('_', ' ')} {pr['before'][k]}->{pr['after'][k]}" for k in pr["before"]),
-           "prune": pr, "layers": a.layers, "runs": a.runs, "threads": a.threads, "prompt_tokens": a.prompt_tokens,
+           "prune": pr, "prune_command": f"hfscale prune TEACHER --params 0.5x {a.prune_extra}".strip(),
+           "layers": a.layers, "runs": a.runs, "threads": a.threads, "prompt_tokens": a.prompt_tokens,
            "decode_tokens": a.decode_tokens, "pairs": pairs}
     write_text_atomic(a.out + ".json", json.dumps(res, indent=1) + "\n")
     plot(res, Path(a.out + ".png"))
