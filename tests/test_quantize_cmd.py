@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -39,7 +40,10 @@ def test_quantize_then_eval(cli, trained, tmp_path):
     q = tmp_path / "q8da4w"
     r = cli("quantize", trained, "--scheme", "8da4w", "--out", q)
     assert r.returncode == 0, r.stderr
-    assert "max |dlogit| vs the in-memory model 0.00e+00" in r.stdout
+    # the reloaded directory computes what the in-memory quantized model did: 0.0 when run alone, up to 3.3e-6
+    # measured inside the full suite (8da4w's dynamic per-token activation scales meet other GEMM paths under load)
+    dlogit = float(re.search(r"max \|dlogit\| vs the in-memory model ([0-9.e+-]+)", r.stdout).group(1))
+    assert dlogit < 1e-4, r.stdout
     r2 = cli("quantize", trained, "--scheme", "8da4w", "--out", q)
     assert r2.returncode == 2 and "--force" in r2.stderr
     r = cli("eval", trained, str(q), "--blocks", "8", "--json")
