@@ -170,8 +170,8 @@ def markdown(res: dict, png: str = "prune_speed.png") -> str:
     h, p = res["host"], res["params"]
     lines = [f"# Is the pruned student faster on device? (Gemma 3 270M layer shape, {res.get('layers', 12)} layers, random weights)\n",
              f"Host: {h['cpu']}, torch CPU capability {h['cpu_capability']} (bf16: {h['bf16']}; native bf16: "
-             f"{h['native_bf16']}), {h['cores_available']} cores shared with two other engineers' jobs (run under "
-             f"`nice -n 5`; teacher and student runs alternate inside each `hfscale bench --compare`). "
+             f"{h['native_bf16']}), {h['cores_available']} cores (teacher and student runs alternate inside each "
+             f"`hfscale bench --compare`, so load from other jobs on the host hits both). "
              f"`{res['command']}`, {res['seconds'] / 60:.1f} min.\n",
              f"Teacher: {p['teacher']:,} parameters, random seeded init (untrained: speed only, no perplexity). "
              f"Student: `{res.get('prune_command', 'hfscale prune TEACHER --params 0.5x')}`: {res['prune_summary']}.\n",
