@@ -209,13 +209,10 @@ def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=()) -> 
                     loss = model(input_ids=ids, labels=ids).loss
             fwd = _phase(mt)
             arrivals.clear()
-            mt.samples, mt.record, mt._last = [], bool(params), None
-            with mt:
+            with mt.recording() if params else contextlib.nullcontext([]) as samples, mt:
                 loss.backward()
-            mt.record = False
             micros.append({"forward": fwd, "backward": _phase(mt)})
-            segments.append(_segments(mt.samples, arrivals) if params else [])
-            mt.samples = []
+            segments.append(_segments(samples, arrivals) if params else [])
             del loss
             mt.reset_mod_stats()  # MemTracker tracks one call per module between resets
     finally:

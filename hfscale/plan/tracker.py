@@ -38,6 +38,7 @@ def _named(snap: dict) -> dict[str, int]:
 def step_tracker(record: bool = False):
     """A new StepTracker (see the module docstring). `tracker.label` names what runs now (the timeline's
     phase); `tracker.samples` holds the timeline when `record` is set."""
+    import contextlib
     from copy import deepcopy
 
     import torch
@@ -93,6 +94,16 @@ def step_tracker(record: bool = False):
                 for k, v in _named(snap).items():
                     out[k] = out.get(k, 0) + v
             return out
+
+        @contextlib.contextmanager
+        def recording(self):
+            """Record the timeline within this block only; yields the list its samples go to."""
+            saved = self.record, self.samples, self._last
+            self.record, self.samples, self._last = True, [], None
+            try:
+                yield self.samples
+            finally:
+                self.record, self.samples, self._last = saved
 
         def sample(self) -> None:
             kinds = self.current()
