@@ -1,6 +1,6 @@
 """What this host computes natively, read once at the edge: does it do bf16 in hardware?
 
-Hosts of the same kind differ. Measured here (FACTS.md, 2026-12-04): on an AMD EPYC with AVX2 only
+Hosts of the same kind differ. Measured on 2026-12-04 on this project's 2-core CI-class hosts (benchmarks/bf16_host.py has the method): on an AMD EPYC with AVX2 only
 (torch CPU capability `AVX2`, no `avx512_bf16` / `amx_bf16` flag) bf16 is emulated and a 2048x192 @
 192x768 GEMM took 501 ms against 47 ms in fp32 (10.6x); the tiny recipe ran 15 s/step instead of ~1.
 On a Xeon with AVX512-BF16 and AMX the same GEMM is as fast or faster in bf16

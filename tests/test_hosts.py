@@ -14,7 +14,7 @@ import pytest
 from hfscale.hosts import Bf16Support, bf16_support, cpu_bf16, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
-AVX2 = cpu_bf16("AVX2", {"avx", "avx2", "fma"})  # the AMD EPYC host of FACTS.md
+AVX2 = cpu_bf16("AVX2", {"avx", "avx2", "fma"})  # an AMD EPYC host measured on 2026-12-04 (AVX2 only)
 SPR = cpu_bf16("AVX512", {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})  # a Sapphire Rapids Xeon
 
 

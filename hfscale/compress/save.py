@@ -1,7 +1,7 @@
 """Writing a quantized model as a transformers directory (safetensors) that `from_pretrained` reloads
 with the same logits, atomically (hfscale.atomic.staged: a stage beside the target + rename).
 
-Measured pitfall (FACTS.md; pytorch/ao #3800, #2230): `save_pretrained` on a model quantized in memory
+Measured pitfall (torchao 0.18 on CPU; pytorch/ao #3800, #2230): `save_pretrained` on a model quantized in memory
 with `quantize_` (PTQ, QAT convert, GPTQ) fails with "Attempted to access the data pointer on an invalid
 python storage" - transformers only flattens torchao tensor subclasses into plain tensors + metadata
 when the model carries a torchao quantizer, which only `from_pretrained(quantization_config=...)`

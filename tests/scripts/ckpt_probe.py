@@ -55,7 +55,7 @@ elif way == "trainer":
         def __getitem__(self, i):
             return {"input_ids": blocks[i], "labels": blocks[i]}
 
-    # the written training_args.yaml as it is, plus what a CPU host needs (FACTS.md: use_cpu, gloo)
+    # the written training_args.yaml as it is, plus what a CPU host needs (use_cpu, gloo: Trainer refuses bf16 on CPU without use_cpu)
     args = TrainingArguments(output_dir=str(out / "trainer"), max_steps=steps, report_to=[], save_strategy="no",
                              dataloader_drop_last=True, use_cpu=True, ddp_backend="gloo", **args_yaml)
     # on CPU, ZeRO-3's zero.Init inside from_config asks deepspeed.comm (not torch.distributed) for the world size,
