@@ -34,10 +34,15 @@ def every_n_layers(mode: str) -> int | None:
     return None if kind == "off" else k
 
 
-def resolve(mode: str, num_layers: int) -> str:
-    """'auto' -> 'every:K' with K = round(sqrt(L)); other values validated and returned canonical."""
+def resolve(mode: str, num_layers: int, period: int = 1) -> str:
+    """'auto' -> 'every:K' with K = round(sqrt(L)), or with layers that repeat in a pattern of `period` (Gemma 3: 5
+    sliding + 1 global) the nearest multiple of the period, so every checkpointed block holds the same mix of layer
+    kinds (and the planner's trace scales in depth); other values validated and returned canonical."""
     if mode == "auto":
-        mode = f"every:{max(1, round(math.sqrt(num_layers)))}"
+        k = max(1, round(math.sqrt(num_layers)))
+        if period > 1 and period < num_layers:
+            k = max(1, round(k / period)) * period
+        mode = f"every:{k}"
     kind, k = parse_checkpointing(mode)
     if kind == "every" and k == 1:
         return "full"

@@ -137,16 +137,14 @@ def run_demo(out: str = "demo_out") -> int:
     for f in facts:
         print(f"  - {f}")
     _banner("4. planning a real job from the config alone: Gemma 3 27B, seq 4096, 2 nodes x 8 x 80 GB")
-    from .models import load_config
-    from .plan.dims import dims_from_config
-    from .plan.planner import Hardware, candidates, pick
+    from .plan import Hardware, plan
 
-    d = dims_from_config(load_config("gemma-3-27b"))
-    best = pick(candidates(d, Hardware(8, 2, 80 * 10**9), 4096, 2**20))
-    p = best["prediction"]
-    print(f"  pick: {best['strategy']}, accumulation {best['grad_accum']}: weights {p['weights'] / 1e9:.1f} GB, grads "
-          f"{p['gradients'] / 1e9:.1f}, optimizer {p['optimizer'] / 1e9:.1f}, activations {p['activations'] / 1e9:.1f}, "
-          f"ZeRO-3 live {p['zero3_live'] / 1e9:.1f}; peak {best['peak_bytes'] / 1e9:.1f} GB/GPU")
+    result = plan("gemma-3-27b", 4096, 1, hardware=Hardware(8, 2, 80 * 10**9), global_batch_tokens=2**20, progress=True)
+    best, p = result.pick, result.pick.prediction
+    parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(p.breakdown.items(), key=lambda kv: -kv[1]) if v > 1e8)
+    print(f"  pick: {best.label}, accumulation {best.grad_accum}: step peak {p.peak / 1e9:.1f} GB in {p.peak_phase} "
+          f"({parts}); with fragmentation and CUDA context {best.peak_bytes / 1e9:.1f} GB/GPU "
+          f"(traced on fake tensors, {p.trace['kernels']} attention kernels)")
     train_dir = train_step(out)
     qat_and_export_step(out, train_dir)
     print(f"\ndemo finished in {time.time() - t0:.0f} s; reports under {out / 'proof'}, trained model in {train_dir}")

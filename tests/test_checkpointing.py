@@ -29,14 +29,14 @@ def test_one_parser_one_layer_choice():
 
 
 def test_planner_and_memory_count_the_layers_the_model_checkpoints():
-    """The planner's candidates use auto's K; the memory model saves per layer exactly those layers."""
-    from hfscale.models import load_config
-    from hfscale.plan.dims import dims_from_config
-    from hfscale.plan.planner import Hardware, candidates
+    """The planner's candidates use auto's K, aligned to the layer pattern (Gemma 3: 5 sliding + 1 global)."""
+    from hfscale.checkpointing import resolve
+    from hfscale.plan import Hardware, plan
 
-    d = dims_from_config(load_config("gemma-3-1b"))  # 26 layers: auto = every:5
-    modes = {r["checkpointing"] for r in candidates(d, Hardware(8, 1, 80 * 10**9), 1024, 8 * 1024)}
-    assert modes == {"off", "every:5", "full"}
+    # 26 layers: sqrt -> every:5, aligned to the 6-layer pattern -> every:6
+    assert resolve("auto", 26) == "every:5" and resolve("auto", 26, period=6) == "every:6"
+    rows = plan("gemma-3-1b", 1024, 1, hardware=Hardware(8, 1, 80 * 10**9), global_batch_tokens=8 * 1024, method="fast")
+    assert {r.checkpointing for r in rows.candidates} == {"off", "every:6", "full"}
 
 
 def test_training_arguments_carry_every_n_layers():
@@ -70,15 +70,15 @@ SEQ, TOKENS = 128, 2 * 128 * 2 * 2  # micro 1-2 x accum x 2 ranks x 128
 
 def _gpu_mem_that_picks_every_2(precision):
     """A GPU size at which the cheapest fitting strategy for the tiny model checkpoints every 2nd layer."""
-    from hfscale.models import load_config
-    from hfscale.plan.dims import dims_from_config
-    from hfscale.plan.planner import Hardware, candidates, pick
+    from hfscale.plan import Hardware, plan
 
-    d = dims_from_config(load_config("tiny-gemma3"))
-    for peak in sorted({r["peak_bytes"] for r in candidates(d, Hardware(2, 1, 10**12), SEQ, TOKENS, precision)}):
-        best = pick(candidates(d, Hardware(2, 1, peak), SEQ, TOKENS, precision))
-        if best and best["checkpointing"] == "every:2" and best["offload"] == "none":
-            return peak, best
+    def ranked(gpu_mem):  # the default plan, as the CLI below runs it (traced, CUDA kernels for GPUs)
+        return plan("tiny-gemma3", SEQ, 1, precision=precision, hardware=Hardware(2, 1, gpu_mem), global_batch_tokens=TOKENS)
+
+    for peak in sorted({r.peak_bytes for r in ranked(10**12).candidates}):
+        best = ranked(peak).pick
+        if best and best.checkpointing == "every:2" and best.offload == "none":
+            return peak, best.to_dict()
     raise AssertionError("no GPU size makes the planner pick every:2")
 
 

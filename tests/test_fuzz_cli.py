@@ -212,9 +212,12 @@ def plan_cases(draw):
         argv += [flag, draw(st.one_of(vals, vals, vals, small_pos))] if draw(st.integers(0, 19)) else []
     hw = draw(st.booleans())
     argv += ["--gpus-per-node", draw(small_pos)] if hw else []
-    # the step trace (seconds per full-size model, one per candidate shape) runs for the tiny models alone
-    if not hw and model in ("tiny-gemma3", "in/model") and draw(st.integers(0, 3)) == 0:
-        argv += ["--trace"]
+    # the default traces the step (seconds per full-size model and candidate shape): the tiny models run it here,
+    # with --trace / --kernels drawn too; full-size models and mutated configs take the analytic path (--fast)
+    if model in ("tiny-gemma3", "in/model"):
+        argv += draw(st.sampled_from([[], [], ["--trace"], ["--kernels", "cuda"], ["--kernels", "cpu", "--fast"]]))
+    else:
+        argv += ["--fast"]
     argv += draw(flags({
         "--checkpointing": st.sampled_from(["off", "full", "every:0", "every:2", "every:x", "auto", "bogus"]),
         "--zero": nums, "--offload": st.sampled_from(["none", "cpu", "nvme"]), "--dp": nums,
@@ -567,8 +570,35 @@ def test_fuzz_config(case):
     _check(case, None)
 
 
+def _odd_config(**kw) -> bytes:
+    """The tiny Gemma 3's config with fields changed: odd configs the default plan (a trace) must answer or refuse
+    in one line."""
+    base = {"model_type": "gemma3_text", "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+            "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]}
+    return json.dumps({**base, **kw}).encode()
+
+
+MIXTRAL = json.dumps({"model_type": "mixtral", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                      "num_local_experts": 4, "num_experts_per_tok": 2}).encode()
+
+
+def _plan_odd(files, *extra):
+    return Case("plan", ("plan", "--model", "in/config.json", "--seq-len", "64", "--micro-batch", "2", *extra),
+                files=(("in/config.json", files),))
+
+
 @_settings("plan")
 @given(case=CASES["plan"])
+# the default (traced) plan on odd configs: zero heads, a huge vocabulary, untied / tied embeddings, MoE in fp32
+# (refused naming the op fake tensors cannot run) and in bf16, with and without hardware
+@example(case=_plan_odd(_odd_config(num_attention_heads=0)))
+@example(case=_plan_odd(_odd_config(vocab_size=4_000_000), "--gpus-per-node", "2"))
+@example(case=_plan_odd(_odd_config(tie_word_embeddings=False)))
+@example(case=_plan_odd(_odd_config(tie_word_embeddings=True), "--gpus-per-node", "2", "--gpu-mem", "1GB"))
+@example(case=_plan_odd(MIXTRAL, "--precision", "fp32"))
+@example(case=_plan_odd(MIXTRAL, "--gpus-per-node", "2"))
 # was StrictDataclassFieldValidationError: a config.json field of the wrong type
 @example(case=Case("plan", ("plan", "--model", "in/config.json", "--seq-len", "2", "--micro-batch", "2"),
                    files=(("in/config.json", b'{"model_type": "gemma3_text", "num_hidden_layers": "x"}'),)))

@@ -14,7 +14,8 @@ EXPERT_26B = 3 * 2816 * 704 * 2  # gate_up 2x704x2816 + down 2816x704, bf16 = 11
 
 
 def _plan(capsys, *extra, rc=0):
-    got = main(["plan", "--model", "gemma-4-26b-a4b", "--seq-len", "4096", "--micro-batch", "1", "--inference", "--json", *extra])
+    got = main(["plan", "--model", "gemma-4-26b-a4b", "--seq-len", "4096", "--micro-batch", "1", "--inference", "--json", "--fast",
+                *extra])
     out = capsys.readouterr().out
     assert got == rc
     return json.loads(out)["moe_serving"]
@@ -79,7 +80,7 @@ def test_routing_measured_on_the_model(tmp_path, capsys):
     from hfscale.experts.tiny import build_tiny_moe
 
     path = build_tiny_moe(tmp_path / "m")
-    rc = main(["plan", "--model", path, "--seq-len", "128", "--micro-batch", "1", "--inference", "--json",
+    rc = main(["plan", "--model", path, "--seq-len", "128", "--micro-batch", "1", "--inference", "--json", "--fast",
                "--routing-blocks", "2", "--ram-budget", "2MB"])
     m = json.loads(capsys.readouterr().out)["moe_serving"]
     assert rc == 0 and m["routing"] == "measured on 256 calibration tokens"

@@ -199,17 +199,17 @@ def test_plan_memory_with_sp_tp():
     from hfscale.models import load_config
     from hfscale.plan.dims import dims_from_config
     from hfscale.plan.memory import Strategy, activation_bytes, predict
-    from hfscale.plan.parallel import params_per_tp_rank
+    from hfscale.plan.parallel import params_per_tp_rank, predict_parallel
 
     d = dims_from_config(load_config("gemma-3-27b"))
     base = dict(zero=3, seq_len=65536, checkpointing="full")
-    one, sp8 = predict(d, Strategy(dp=32, **base)), predict(d, Strategy(dp=4, sp=8, **base))
+    one, sp8 = predict(d, Strategy(dp=32, **base)), predict_parallel(d, Strategy(dp=4, sp=8, **base))
     # SP: ZeRO still shards over all 32 ranks, activations are those of S/8 tokens, plus the all-to-all buffers
     assert sp8["weights"] == one["weights"] and sp8["optimizer"] == one["optimizer"]
     assert sp8["activations"] == activation_bytes(d, 1, 65536 // 8, "bf16", "full")["total"]
     assert sp8["parallel_buffers"]["sp_all_to_all"] > 0 and sp8["total"] < one["total"] / 4
     # TP: the split linears / tp, embeddings and norms replicated
-    tp4 = predict(d, Strategy(dp=8, tp=4, **base))
+    tp4 = predict_parallel(d, Strategy(dp=8, tp=4, **base))
     assert d.params / 4 < params_per_tp_rank(d, 4) < d.params / 3
     assert tp4["params_per_rank"] == params_per_tp_rank(d, 4)
 
@@ -218,7 +218,7 @@ def test_plan_json_carries_sp_tp_cp_and_write_emits_parallelism(tmp_path, cli):
     import json
 
     r = cli("plan", "--model", "gemma-3-27b", "--seq-len", "131072", "--micro-batch", "1", "--gpus-per-node", "8",
-            "--nodes", "4", "--gpu-mem", "80GB", "--json", "--write", tmp_path / "w")
+            "--nodes", "4", "--gpu-mem", "80GB", "--json", "--write", tmp_path / "w", "--fast")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for row in out["candidates"] + [out["pick"]]:
@@ -233,7 +233,7 @@ def test_plan_json_carries_sp_tp_cp_and_write_emits_parallelism(tmp_path, cli):
 
 def test_plan_gemma4_256k_says_by_how_much_nothing_fits(cli):
     r = cli("plan", "--model", "gemma-4-31b", "--seq-len", "262144", "--micro-batch", "1", "--gpus-per-node", "8",
-            "--nodes", "4", "--gpu-mem", "80GB")
+            "--nodes", "4", "--gpu-mem", "80GB", "--fast")
     assert r.returncode == 1, r.stderr
     assert "nothing fits" in r.stdout and "GB over 80 GB" in r.stdout and "sequence parallel is no candidate" in r.stdout
 

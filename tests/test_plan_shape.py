@@ -30,7 +30,7 @@ def test_unsupported_architecture_keeps_the_reason(tmp_path, monkeypatch):
     assert cold.heads.tp_plan and cold.layers == ARCHITECTURES["qwen3"]().num_hidden_layers
 
 
-PLAN = ["plan", "--seq-len", "4096", "--micro-batch", "1", "--gpus-per-node", "8", "--json"]
+PLAN = ["plan", "--seq-len", "4096", "--micro-batch", "1", "--gpus-per-node", "8", "--json", "--fast"]
 SCRIPT = """
 import contextlib, io, json, sys
 from hfscale.cli import main
@@ -64,6 +64,28 @@ def test_warm_plan_imports_no_torch_and_answers_the_same(tmp_path):
     config.write_text(json.dumps(data))
     edited = _plan(env, "--model", str(config))
     assert edited["torch"] and json.loads(edited["out"])["params"] > first["params"]
+
+
+def test_warm_default_plan_reads_cached_steps_without_torch(tmp_path):
+    """The default plan traces every candidate; a second run reads each step from the cache (no config, no torch)."""
+    env = {**os.environ, "HFSCALE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    args = ["plan", "--model", "gemma-3-270m", "--seq-len", "1024", "--micro-batch", "1", "--gpus-per-node", "2",
+            "--gpu-mem", "80GB", "--json"]
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    assert cold["torch"] and not warm["torch"] and not warm["transformers"]
+    assert warm["out"] == cold["out"]
+    out = json.loads(warm["out"])
+    assert out["prediction"]["source"] == "trace" and out["prediction"]["trace"]["kernels"] == "cuda"
+    # every row that could be the pick is traced (the cheapest fits here); costlier ones say why they were not
+    cost = out["pick"]["cost"]
+    assert all(c["peak_source"] == "trace" for c in out["candidates"] if c["cost"] <= cost)
+    assert all("costlier than the pick" in c["prediction"]["peak_not_traced"] for c in out["candidates"] if c["cost"] > cost)
 
 
 def test_a_model_without_attention_heads_keeps_why():

@@ -65,8 +65,8 @@ def test_plan_traces_cuda_kernels_and_says_so(cli):
     # three sliding-window layers send a mask (memory-efficient kernel), the global layer none (flash)
     assert t["kernels"] == "cuda" and t["attention_kernels"] == {"efficient": 3, "flash": 1}
     assert "CUDA attention kernels" in t["assumes"]
-    r = cli(*args[:-2], "--kernels", "cuda")
-    assert r.returncode == 2 and "--kernels is only used with --trace" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = cli(*args[:-2], "--kernels", "cuda", "--fast")
+    assert r.returncode == 2 and "--fast traces nothing" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_zero2_partition_and_bucket_walk():

@@ -6,10 +6,13 @@ Model states (per rank, Ψ parameters, N data-parallel ranks; ZeRO paper, Rajbha
   state: AdamW 8Ψ (two fp32 moments), 8-bit Adam 2Ψ, SGD with momentum 4Ψ
   ZeRO-1 divides the optimizer by N, ZeRO-2 also the gradients, ZeRO-3 also the weights.
   (bf16 AdamW, no ZeRO: 2+2+12 = 16Ψ; ZeRO-3: 16Ψ/N — the paper's K = 12.)
+  DDP bf16 runs as accelerate runs it: autocast over fp32 weights and gradients (4 + 4 + 8 = 16Ψ, `runs_as`).
   Offload moves the optimizer and the fp32 gradient partition (cpu/nvme) and, at stage 3, the weights
-  off the GPU (ZeRO-Offload / ZeRO-Infinity papers); ZeRO-3 keeps a live
-  working set of gathered parameters on the GPU: 4 bytes x the largest module (DeepSpeed's estimator:
-  16-bit parameters + 16-bit gradients of the largest layer; for Gemma that is the 262k-row embedding).
+  off the GPU (ZeRO-Offload / ZeRO-Infinity papers); ZeRO-3 keeps gathered parameters on the GPU as DeepSpeed
+  ranks were measured to (`zero3_gathered`, plan/zero.py): the whole model below stage3_max_reuse_distance
+  (1e9 elements), else the largest module's parameters and gradients.
+This is the fast path (`hfscale plan --fast`): the terms above summed, no temporaries and no phases. The
+default plan traces the step (trace.py, peak.py, zero.py); tests/test_plan_default.py compares the two.
 
 Activations = the bytes autograd saves for backward in one micro batch's forward pass (what a
 saved-tensors hook sees; each storage once; parameters excluded). Eager attention (below) saves the
@@ -362,19 +365,41 @@ def _lora_states(d: Dims, s: Strategy) -> dict:
         base = (2 if s.precision == "bf16" else 4) * d.params
     weights, grads, optim = shard(base + 4 * A, 4 * A, OPTIMIZER_STATE_BYTES[s.optimizer] * A, s.zero, N)
     return {"weights": weights, "gradients": grads, "optimizer": optim,
-            "zero3_live": 4 * d.largest_layer_params if s.zero == 3 else 0, "offloaded_per_rank": 0, "trainable": A}
+            "zero3_live": zero3_gathered(d, 2) if s.zero == 3 else 0, "offloaded_per_rank": 0, "trainable": A}
+
+
+def runs_as(precision: str, zero: int, engine: str = "auto") -> str:
+    """What a planned precision runs as, the one place this is decided (the trace and the analytic states both
+    follow it): bf16 under DDP (ZeRO-0 when the engine is "auto") is accelerate's autocast over fp32 weights, as
+    the written accelerate config runs it; under DeepSpeed bf16 weights with fp32 master weights."""
+    if precision == "bf16":
+        ddp = zero == 0 if engine == "auto" else engine != "deepspeed"
+        return "bf16-autocast" if ddp else "bf16"
+    return precision
+
+
+def zero3_gathered(d: Dims, elem_bytes: int) -> int:
+    """ZeRO-3's gathered parameters in a steady step, as measured on DeepSpeed ranks (zero.py): every parameter
+    stays gathered while the model has fewer elements than stage3_max_reuse_distance, else the largest module's
+    parameters and gradients at a time."""
+    from .zero import REUSE_DISTANCE
+
+    return elem_bytes * d.params if d.params <= REUSE_DISTANCE else 2 * elem_bytes * d.largest_layer_params
 
 
 def model_state_bytes(d: Dims, s: Strategy) -> dict:
     if s.lora_rank:
         return _lora_states(d, s)
     P, N = d.params, s.dp
-    w_b, g_b = (2, 2) if s.precision == "bf16" else (4, 4)
-    master = 4 if s.precision == "bf16" else 0
+    runs = runs_as(s.precision, s.zero)
+    # bf16 under DeepSpeed: bf16 weights and gradients + an fp32 master copy; under DDP accelerate autocasts over
+    # fp32 weights and gradients (no master copy); fp32: fp32 throughout. AdamW's moments are fp32 in all three.
+    w_b, g_b = (2, 2) if runs == "bf16" else (4, 4)
+    master = 4 if runs == "bf16" else 0
     opt_b = master + OPTIMIZER_STATE_BYTES[s.optimizer]
     weights, grads, optim = shard(w_b * P, g_b * P, opt_b * P, s.zero, N)
     off = {"optimizer": 0, "gradients": 0, "weights": 0}
-    live = 4 * d.largest_layer_params if s.zero == 3 else 0
+    live = zero3_gathered(d, w_b) if s.zero == 3 else 0
     if s.offload != "none":
         # ZeRO-Offload: the optimizer step runs on the CPU, so per rank the optimizer partition (bf16: fp32
         # master 4Ψ/N + Adam moments 8Ψ/N) and the fp32 gradient partition 4Ψ/N live there (DeepSpeed keeps
@@ -417,11 +442,9 @@ def inference_bytes(d: Dims, quant: str, batch: int, context: int) -> dict:
 
 
 def predict(d: Dims, s: Strategy) -> dict:
-    """Per-rank bytes (integers) for one strategy: the JSON `prediction` object."""
+    """Per-rank bytes (integers) for one strategy without sp / tp / cp (those: `parallel.predict_parallel`)."""
     if s.sp * s.tp * s.cp > 1:
-        from .parallel import predict_parallel
-
-        return predict_parallel(d, s)
+        raise ValueError("sequence / tensor / context parallel strategies are predicted by hfscale.plan.parallel.predict_parallel")
     states = model_state_bytes(d, s)
     act = activation_bytes(d, s.micro_batch, s.seq_len, s.precision, s.checkpointing, s.attention)
     total = states["weights"] + states["gradients"] + states["optimizer"] + states["zero3_live"] + act["total"] + act["recompute_working"]

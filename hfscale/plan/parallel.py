@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .dims import Dims
-from .memory import Strategy, activation_bytes, model_state_bytes
+from .memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Strategy, activation_bytes, model_state_bytes
 
 
 def layer_linear_params(d: Dims) -> int:
@@ -54,10 +54,24 @@ def tp_dims(d: Dims, tp: int) -> Dims:
     return replace(d, heads=d.heads // tp, kv_heads=max(1, d.kv_heads // tp), intermediate=d.intermediate // tp, per_layer=per)
 
 
+def parallel_buffers(d: Dims, s: Strategy) -> dict[str, int]:
+    """The communication buffers of sp / tp / cp per rank (module docstring), one layer at a time."""
+    e = 2 if s.precision == "bf16" else 4
+    sp, tp, cp = s.sp, s.tp, s.cp
+    T = s.micro_batch * s.seq_len
+    lds = d.layers_dims()
+    kv = max(ld.kv_heads * ld.head_dim for ld in lds)
+    q = max(d.heads * ld.head_dim for ld in lds)
+    return {
+        "sp_all_to_all": 2 * e * (T // sp) * (2 * q + 2 * kv) // tp if sp > 1 else 0,
+        "tp_all_reduce": 2 * e * (T // (sp * cp)) * d.hidden if tp > 1 else 0,
+        "cp_all_gather": 2 * e * T * kv // tp if cp > 1 else 0,
+    }
+
+
 def predict_parallel(d: Dims, s: Strategy) -> dict:
     """Per-rank bytes with s.sp / s.tp / s.cp > 1 (s.dp = data-parallel replicas); the keys of memory.predict
     plus the buffers."""
-    e = 2 if s.precision == "bf16" else 4
     sp, tp, cp = s.sp, s.tp, s.cp
     shard_ranks = s.dp * sp * cp  # ZeRO / FSDP partitions over these (TP splits before sharding)
     states = model_state_bytes(d, replace(s, dp=shard_ranks, sp=1, tp=1, cp=1))
@@ -66,20 +80,10 @@ def predict_parallel(d: Dims, s: Strategy) -> dict:
         states[k] = int(states[k] * frac)
     S_local = s.seq_len // (sp * cp)
     act = activation_bytes(tp_dims(d, tp), s.micro_batch, S_local, s.precision, s.checkpointing, s.attention)
-    T = s.micro_batch * s.seq_len
-    lds = d.layers_dims()
-    kv = max(ld.kv_heads * ld.head_dim for ld in lds)
-    q = max(d.heads * ld.head_dim for ld in lds)
-    buffers = {
-        "sp_all_to_all": 2 * e * (T // sp) * (2 * q + 2 * kv) // tp if sp > 1 else 0,
-        "tp_all_reduce": 2 * e * (T // (sp * cp)) * d.hidden if tp > 1 else 0,
-        "cp_all_gather": 2 * e * T * kv // tp if cp > 1 else 0,
-    }
+    buffers = parallel_buffers(d, s)
     live = states["zero3_live"] if s.zero == 3 else 0
     total = (states["weights"] + states["gradients"] + states["optimizer"] + live + act["total"]
              + act["recompute_working"] + sum(buffers.values()))
-    from .memory import CUDA_CONTEXT_BYTES, FRAGMENTATION
-
     return {
         "weights": states["weights"], "gradients": states["gradients"], "optimizer": states["optimizer"],
         "activations": act["total"], "recompute_working": act["recompute_working"], "zero3_live": live,

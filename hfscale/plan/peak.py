@@ -11,16 +11,13 @@ with ZeRO's sharding and offload applied to the traced model states.
   p = 1 for Llama-likes; with every:K checkpointing lcm(p, K)) and no other per-layer settings is traced
   at L0 = L mod p + p and L0 + p layers (at least 2), and forward / backward are extrapolated per kind:
   phase(L) = phase(L0) + (L - L0) / p x (phase(L0 + p) - phase(L0)). Exact on every checked row
-  (tests/test_peak.py; 16-layer Llama and 26-layer Gemma 3 1B, checkpointing off / full / every:4: 0.0000%).
+  (16-layer Llama and 26-layer Gemma 3 1B, checkpointing off / full / every:4: 0.0000%; tests/test_trace.py::
+  test_depth_scaling_is_exact keeps the Llama row).
   The optimizer step is not extrapolated (its peak follows the largest parameters, -1.8% on Gemma 3 1B
   when it was): it is traced on the full-depth model alone, which costs no forward or backward.
-- ZeRO (per rank, N ranks), applied to the traced kinds (the trace itself is one unsharded rank):
-  stage >= 1 divides the optimizer states and fp32 master weights by N, stage >= 2 the gradients,
-  stage 3 the parameters, plus a gathered working set of 2 x the largest module's parameters (its
-  parameters and gradients, as DeepSpeed's estimator counts). Offload to cpu/nvme removes the optimizer
-  states and master weights from the GPU (and at stage 3 the parameters, keeping the working set).
-  Communication buckets and all-gather prefetch buffers are configuration-dependent and not included:
-  this part is derived, not measured against DeepSpeed ranks yet.
+- Engines: DDP is the trace itself plus DDP's gradient buckets; DeepSpeed ZeRO 1-3 and offload lay
+  DeepSpeed's own buffers over the trace (`zero.py`, measured against DeepSpeed ranks). These are the only
+  two engines predicted from a trace here.
 """
 
 from __future__ import annotations
@@ -32,21 +29,15 @@ from pathlib import Path
 from dataclasses import replace
 
 from ..cache import cache_root, cached_json
+from .memory import runs_as
 from .trace import PhasePeak, StepTrace, trace_step
 
 # bump when what a trace records changes (2: gradients made in backward count as gradients, not temporaries;
 # 3: gradient arrivals in backward, for ZeRO-2's per-rank partition)
 TRACE_FORMAT = 3
-STATE_KINDS = ("parameters", "gradients", "optimizer", "master_weights")
 
 
-def trace_precision(precision: str, zero: int, engine: str = "auto") -> str:
-    """What a planned precision runs as: DDP bf16 (ZeRO-0 when the engine is "auto") is accelerate's
-    autocast over fp32 weights; DeepSpeed bf16 keeps bf16 weights and fp32 master weights in the optimizer."""
-    if precision == "bf16":
-        ddp = zero == 0 if engine == "auto" else engine != "deepspeed"
-        return "bf16-autocast" if ddp else "bf16"
-    return precision
+trace_precision = runs_as  # what a planned precision runs as: decided in one place (memory.runs_as)
 
 
 def cache_dir() -> Path:
@@ -63,7 +54,7 @@ def _key(config, kw: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _period(types: list) -> int:
+def repeat_period(types: list) -> int:
     return next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
 
 
@@ -81,7 +72,7 @@ def _layer_period(config) -> int | None:
     sig = [tuple((n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters())
            + tuple(type(x).__name__ for x in m.modules())
            for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    return _period(sig) if sig else None
+    return repeat_period(sig) if sig else None
 
 
 def depth_plan(config, checkpointing: str) -> tuple[int, int, int] | None:
@@ -98,7 +89,7 @@ def depth_plan(config, checkpointing: str) -> tuple[int, int, int] | None:
     per_layer = [k for k, v in d.items() if isinstance(v, list) and len(v) == L]
     if any(k != "layer_types" for k in per_layer) or d.get("num_kv_shared_layers"):
         return None
-    p = _period(d["layer_types"]) if "layer_types" in per_layer else 1
+    p = repeat_period(d["layer_types"]) if "layer_types" in per_layer else 1
     structure = _cached_json("period", config, {}, lambda: {"period": _layer_period(config)})["period"]
     if structure is None:
         return None
@@ -127,7 +118,8 @@ def scaled_trace(config, **kw) -> StepTrace:
     if plan is None:
         return cached_trace(config, **kw)
     L, L0, L1 = plan
-    a, b = cached_trace(truncated(config, L0), **kw), cached_trace(truncated(config, L1), **kw)
+    # forward and backward from two shallower traces (their optimizer steps are not needed: skipped)
+    a, b = (cached_trace(truncated(config, n), **kw, optimizer=False) for n in (L0, L1))
     # the optimizer step depends on the parameters only: one trace serves every sequence, micro batch and mode
     full = cached_trace(config, micro_batch=1, seq_len=1, precision=kw["precision"], lora_rank=kw.get("lora_rank", 0),
                         optimizer_only=True, **({"adamw": kw["adamw"]} if kw.get("adamw", "fused") != "fused" else {}))
@@ -179,9 +171,9 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
         hidden = getattr(config.get_text_config(), "hidden_size", 0) or 0
         steps = {s: deepspeed_phases(tr, zero, dp, offload, hidden, s, grad_accum, adamw, rank) for s in (True, False)}
     else:
+        if zero or offload != "none":
+            raise ValueError("ZeRO stages and offload are DeepSpeed's: predict them with engine='deepspeed'")
         steps = {s: {k: dict(v.breakdown) for k, v in tr.phases(s, grad_accum).items()} for s in (True, False)}
-        steps = {s: {ph: shard(kinds, zero, dp, offload, tr.largest_module_param_bytes) for ph, kinds in v.items()}
-                 for s, v in steps.items()}
         if dp > 1:  # DDP's gradient buckets: one more copy of the trainable gradients, alive all along
             buckets = tr.trainable_params * (2 if tr.precision == "bf16-pure" else 4)
             steps = {s: {ph: {**kinds, "ddp_buckets": buckets} for ph, kinds in v.items()} for s, v in steps.items()}
@@ -198,41 +190,15 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     # device + host per phase: what one memory holds where the "device" is the CPU (offload measured on CPU)
     out["phases_with_host"], out["phases_step1_with_host"] = ({ph: sum(k.values()) for ph, k in steps[s].items()}
                                                               for s in (True, False))
-    states = {k: v for k, v in tr.phases(True, grad_accum)["optimizer"].breakdown.items() if k in STATE_KINDS}
     if offload == "none":
         out["offloaded_per_rank"] = 0
-    elif engine == "deepspeed":
-        out["offloaded_per_rank"] = split_host(steps[True]["optimizer"])[1]
     else:
-        out["offloaded_per_rank"] = -(-(states.get("optimizer", 0) + states.get("master_weights", 0)
-                                        + (states.get("parameters", 0) if zero == 3 else 0)) // dp)
+        out["offloaded_per_rank"] = split_host(steps[True]["optimizer"])[1]
     out["params"], out["trainable_params"] = tr.params, tr.trainable_params
     out["trace"].update(micro_batch=micro_batch, zero=zero, dp=dp, offload=offload, engine=engine, adamw=adamw,
                         sharding=("DeepSpeed's buffers over the traced step (hfscale/plan/zero.py)" if engine == "deepspeed"
-                                  else "derived from the traced states" if zero or offload != "none" else "none"))
+                                  else "none"))
     return out
-
-
-def shard(kinds: dict, zero: int, dp: int, offload: str, largest: int) -> dict:
-    """Per-rank bytes of one phase's kinds under ZeRO `zero` over `dp` ranks with `offload`."""
-    k = dict(kinds)
-    if zero >= 1:
-        for name in ("optimizer", "master_weights"):
-            k[name] = -(-k.get(name, 0) // dp)
-    if zero >= 2:
-        k["gradients"] = -(-k.get("gradients", 0) // dp)
-    if zero == 3:
-        k["parameters"] = -(-k.get("parameters", 0) // dp)
-    if offload != "none":
-        k["optimizer"] = k["master_weights"] = 0
-        if zero == 3:
-            k["parameters"] = 0
-    if zero == 3:
-        k["zero3_live"] = 2 * largest
-    return k
-
-
-
 
 
 def untraceable(s) -> str | None:
@@ -248,4 +214,4 @@ def for_strategy(config, s, grad_accum: int = 1, kernels: str = "cpu") -> dict:
     """`step_prediction` for a planner `Strategy`."""
     return step_prediction(config, s.micro_batch, s.seq_len, s.precision, s.attention, s.checkpointing,
                            s.lora_rank, grad_accum, s.zero, s.dp, s.offload, kernels=kernels)
-__all__ = ["STATE_KINDS", "cache_dir", "cached_trace", "for_strategy", "shard", "step_prediction", "trace_precision", "untraceable"]
+__all__ = ["cache_dir", "cached_trace", "for_strategy", "step_prediction", "trace_precision", "untraceable"]

@@ -17,12 +17,12 @@ Relative step-time cost (1.0 = DDP, no checkpointing, largest micro batch), docu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..errors import HfscaleError
-from .dims import Dims
 from ..checkpointing import checkpointed_layers, resolve
-from .memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Strategy, predict
+from ..errors import HfscaleError
+from .memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Strategy
+from .prediction import Prediction
 
 
 @dataclass(frozen=True)
@@ -70,43 +70,117 @@ def cost(layers: int, s: Strategy, max_micro_tokens: int) -> float:
     return round(c, 4)
 
 
-def peak_bytes(pred: dict) -> int:
-    """Predicted peak with the stated overheads: (the traced step peak, else the analytic total)
-    x (1 + fragmentation) + CUDA context."""
-    return int(pred.get("peak", pred.get("total", 0)) * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
+def peak_bytes(pred: Prediction) -> int:
+    """Predicted peak with the stated overheads: the prediction's peak x (1 + fragmentation) + CUDA context."""
+    return int(pred.peak * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
 
 
-def candidates(d: Dims | None, hw: Hardware, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
-               attention: str = "sdpa", step_peak=None, layers: int | None = None,
-               parallel=((1, 1, 1),)) -> list[dict]:
-    """Every strategy for `hw`, sorted fitting first, then by cost. `step_peak(strategy, grad_accum)` (the
-    traced prediction, `peak.step_prediction`) decides the peak when given; else the analytic total does.
-    `d` may be None for an architecture the analytic model does not know (then `step_peak` is required).
-    `parallel`: (sp, tp, cp) sizes to plan (hfscale.plan.parallel.parallel_options); each spans that many
-    GPUs per data-parallel replica. Every row carries integer sp, tp, cp (1 when unused)."""
-    layers = layers or d.layers
-    rows = []
-    for sp, tp, cp in parallel:
-        rows += _candidates(d, hw, seq_len, global_batch_tokens, precision, attention, layers, sp, tp, cp)
-    max_tokens = max(r["micro_batch"] * seq_len // (r["sp"] * r["cp"]) for r in rows)
-    for r in rows:
-        r["cost"] = cost(layers, r["_strategy"], max_tokens)
-        _judge(r, hw, "analytic")
-    if step_peak is not None:
-        _trace_in_cost_order([r for r in rows if r["sp"] * r["tp"] * r["cp"] == 1], hw, step_peak)
-    if any(r["fits"] and r["sp"] * r["tp"] * r["cp"] == 1 for r in rows):
-        # sp / tp / cp only where data parallelism + ZeRO + checkpointing cannot fit (long sequences): their
-        # communication and smaller per-rank GEMMs are not in the memory model's favour otherwise
-        rows = [r for r in rows if r["sp"] * r["tp"] * r["cp"] == 1]
-        max_tokens = max(r["micro_batch"] * seq_len for r in rows)
-        for r in rows:
-            r["cost"] = cost(layers, r["_strategy"], max_tokens)
-    for r in rows:
-        del r["_strategy"]
-    return sorted(rows, key=lambda r: (not r["fits"], r["cost"], r["peak_bytes"]))
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy for the hardware, predicted and judged. `peak_bytes` = the prediction's peak with the
+    stated overheads; it fits when that is within the GPU and the offloaded bytes within the node's CPU memory."""
+
+    strategy: Strategy
+    grad_accum: int
+    prediction: Prediction
+    cost: float
+    peak_bytes: int
+    cpu_bytes_per_node: int
+    fits: bool
+
+    def __getattr__(self, name):  # zero, offload, checkpointing, micro_batch, dp, sp, tp, cp, precision
+        if name in _STRATEGY_FIELDS:
+            return getattr(self.strategy, name)
+        raise AttributeError(name)
+
+    @property
+    def label(self) -> str:
+        return self.strategy.label
+
+    def to_dict(self) -> dict:
+        s = self.strategy
+        return {"strategy": s.label, "zero": s.zero, "offload": s.offload, "checkpointing": s.checkpointing,
+                "precision": s.precision, "micro_batch": s.micro_batch, "grad_accum": self.grad_accum, "dp": s.dp,
+                "sp": s.sp, "tp": s.tp, "cp": s.cp, "prediction": self.prediction.to_dict(), "cost": self.cost,
+                "peak_bytes": self.peak_bytes, "cpu_bytes_per_node": self.cpu_bytes_per_node, "fits": self.fits,
+                "peak_source": self.prediction.source}
 
 
-def _candidates(d, hw, seq_len, global_batch_tokens, precision, attention, layers, sp, tp, cp) -> list[dict]:
+_STRATEGY_FIELDS = ("zero", "offload", "checkpointing", "micro_batch", "dp", "sp", "tp", "cp", "precision")
+
+
+def judge(s: Strategy, grad_accum: int, pred: Prediction, hw: Hardware, cost_: float, known_not_to_fit: bool = False) -> Candidate:
+    peak = peak_bytes(pred)
+    cpu = pred.offloaded_per_rank * hw.gpus_per_node if s.offload == "cpu" else 0
+    return Candidate(s, grad_accum, pred, cost_, peak, cpu, not known_not_to_fit and peak <= hw.gpu_mem and cpu <= hw.cpu_mem)
+
+
+def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, layers: int, precision: str = "bf16",
+               attention: str = "sdpa", parallel=((1, 1, 1),), progress: bool = False, period: int = 1) -> list[Candidate]:
+    """Every strategy for `hw`, sorted fitting first, then by cost, each predicted by `predict(strategy,
+    grad_accum) -> Prediction` (the same model for every row: the ranking and the report agree).
+    `parallel`: (sp, tp, cp) sizes to plan (hfscale.plan.parallel.parallel_options), each spanning that many GPUs
+    per data-parallel replica; sizes other than (1, 1, 1) are predicted only when no plain data-parallel
+    strategy fits: their communication and smaller per-rank GEMMs are not in the cost model's favour otherwise.
+    `period`: the layers' repeating pattern (checkpointing.resolve aligns every:K to it).
+    Rows whose model states alone (weights + gradients + optimizer, exact from the parameter count) exceed the GPU
+    cannot fit whatever their activations, and rows costlier than the cheapest fitting one cannot be the pick:
+    `predict(strategy, grad_accum, gpu_mem, skip)` may answer those from the analytic terms without a trace (where
+    the model has formulas), and their Prediction says so. Every row at or below the pick's cost is traced."""
+    from tqdm import tqdm
+
+    plain = [p for p in parallel if p == (1, 1, 1)]
+    groups = [plain, [p for p in parallel if p != (1, 1, 1)]] if plain else [list(parallel)]
+    rows: list[Candidate] = []
+    for group in groups:
+        todo = [x for sizes in group
+                for x in _strategies(hw, seq_len, global_batch_tokens, precision, attention, layers, period, *sizes)]
+        if not todo:
+            continue
+        max_tokens = max(s.micro_batch * seq_len // (s.sp * s.cp) for s, _ in todo)
+        todo = sorted(((cost(layers, s, max_tokens), s, a) for s, a in todo), key=lambda x: x[0])
+        smallest = {}  # a strategy without its micro batch -> (micro, accumulation) of its smallest micro batch
+        for _, s, a in todo:
+            key = replace(s, micro_batch=1)
+            if key not in smallest or s.micro_batch < smallest[key][0]:
+                smallest[key] = (s.micro_batch, a)
+        fails: dict = {}  # the same -> the smallest micro batch known not to fit (a larger one holds more)
+        picked_cost = None
+
+        def judged(s, accum, c, skip=None, known_not_to_fit=False):
+            row = judge(s, accum, predict(s, accum, hw.gpu_mem, skip), hw, c, known_not_to_fit)
+            if not row.fits and row.prediction.source == "trace":
+                key = replace(s, micro_batch=1)
+                fails[key] = min(fails.get(key, s.micro_batch), s.micro_batch)
+            return row
+
+        with tqdm(total=len(todo), desc="predicting candidates", unit="strategy", disable=not progress or None,
+                  leave=False) as bar:
+            for c, s, accum in todo:
+                key = replace(s, micro_batch=1)
+                # cheapest first: once one fits, a costlier row cannot be the pick and is not traced; a larger micro
+                # batch of a strategy that did not fit at a smaller one cannot fit, so the smallest is tried first
+                skip = None if picked_cost is None or c <= picked_cost else "not traced: costlier than the pick"
+                # one micro batch per step is a lower bound of accumulating several (the second runs with gradients
+                # alive): probes trace without accumulation, which costs half
+                if skip is None and s.micro_batch > smallest[key][0] and key not in fails:
+                    judged(replace(s, micro_batch=smallest[key][0]), 1, c)
+                if skip is None and accum > 1 and not (key in fails and s.micro_batch >= fails[key]):
+                    judged(s, 1, c)
+                known = skip is None and key in fails and s.micro_batch >= fails[key]
+                if known:
+                    skip = f"not traced: micro batch {fails[key]} of this strategy does not fit without accumulation"
+                row = judged(s, accum, c, skip, known)
+                if row.fits and picked_cost is None:
+                    picked_cost = c
+                rows.append(row)
+                bar.update()
+        if any(r.fits for r in rows):
+            break
+    return sorted(rows, key=lambda r: (not r.fits, r.cost, r.peak_bytes))
+
+
+def _strategies(hw, seq_len, global_batch_tokens, precision, attention, layers, period, sp, tp, cp) -> list[tuple[Strategy, int]]:
     dp = hw.world // (sp * tp * cp)
     per_step_seqs, rem = divmod(global_batch_tokens, seq_len * dp)
     if per_step_seqs < 1 or rem:
@@ -115,8 +189,8 @@ def _candidates(d, hw, seq_len, global_batch_tokens, precision, attention, layer
             f"use a multiple of {seq_len * dp:,}"
         )
     micros = [m for m in (1, 2, 4, 8, 16, 32) if per_step_seqs % m == 0]
-    ckpt_modes = list(dict.fromkeys(("off", resolve("auto", layers), "full")))  # every ~sqrt(L)-th layer
-    rows = []
+    ckpt_modes = list(dict.fromkeys(("off", resolve("auto", layers, period), "full")))  # every ~sqrt(L)-th layer
+    out = []
     for zero in (0, 1, 2, 3):
         # SP is DeepSpeed Ulysses (ZeRO 2/3); TP and CP run under FSDP2 (planned as ZeRO-3 without offload) or,
         # TP alone over the whole world, DDP
@@ -129,79 +203,43 @@ def _candidates(d, hw, seq_len, global_batch_tokens, precision, attention, layer
                 continue
             for ckpt in ckpt_modes:
                 for micro in micros:
-                    s = Strategy(zero=zero, dp=dp, precision=precision, offload=offload, checkpointing=ckpt,
-                                 micro_batch=micro, seq_len=seq_len, attention=attention, sp=sp, tp=tp, cp=cp)
-                    rows.append({
-                        "strategy": s.label, "zero": zero, "offload": offload, "checkpointing": ckpt, "precision": precision,
-                        "micro_batch": micro, "grad_accum": per_step_seqs // micro, "dp": dp, "sp": sp, "tp": tp, "cp": cp,
-                        "prediction": predict(d, s) if d is not None else {},
-                        "_strategy": s,
-                    })
-    return rows
+                    out.append((Strategy(zero=zero, dp=dp, precision=precision, offload=offload, checkpointing=ckpt,
+                                         micro_batch=micro, seq_len=seq_len, attention=attention, sp=sp, tp=tp, cp=cp),
+                                per_step_seqs // micro))
+    return out
 
 
-def _judge(row: dict, hw: Hardware, source: str) -> None:
-    pred = row["prediction"]
-    row["peak_bytes"] = peak_bytes(pred) if pred else 0
-    row["cpu_bytes_per_node"] = pred.get("offloaded_per_rank", 0) * hw.gpus_per_node if row["offload"] == "cpu" else 0
-    row["fits"] = bool(pred) and row["peak_bytes"] <= hw.gpu_mem and row["cpu_bytes_per_node"] <= hw.cpu_mem
-    row["peak_source"] = source
-
-
-def _trace_in_cost_order(rows: list[dict], hw: Hardware, step_peak) -> None:
-    """Trace candidates cheapest first until one fits on its traced peak. A candidate whose exact model
-    states alone (analytic, no activations) exceed the GPU is out without a trace; candidates costlier
-    than the pick keep their analytic peak (`peak_source`). Traces differ only by checkpointing, micro
-    batch and accumulation (ZeRO and offload re-shard the same trace), so most rows reuse a cached one."""
-    from tqdm import tqdm
-
-    todo = sorted(rows, key=lambda r: (r["cost"], r["prediction"].get("total", 0)))
-    with tqdm(total=len(todo), desc="tracing candidates", unit="strategy", disable=None, leave=False) as bar:
-        for r in todo:
-            bar.update()
-            p = r["prediction"]
-            states = p.get("weights", 0) + p.get("gradients", 0) + p.get("optimizer", 0)
-            if states > hw.gpu_mem:
-                r["peak_source"] = "analytic (model states alone exceed the GPU)"
-                continue
-            r["prediction"] = {**p, **step_peak(r["_strategy"], r["grad_accum"])}
-            _judge(r, hw, "trace")
-            if r["fits"]:
-                return
-
-
-def pick(rows: list[dict]) -> dict | None:
-    fitting = [r for r in rows if r["fits"]]
+def pick(rows: list[Candidate]) -> Candidate | None:
+    fitting = [r for r in rows if r.fits]
     return fitting[0] if fitting else None
 
 
-def shortfall(rows: list[dict], hw: Hardware) -> str:
+def shortfall(rows: list[Candidate], hw: Hardware) -> str:
     """What to say when nothing fits: by how much the smallest candidate is over, and what would fit."""
-    best = min(rows, key=lambda r: r["peak_bytes"])
-    over = best["peak_bytes"] - hw.gpu_mem
-    return (f"nothing fits: the smallest candidate ({best['strategy']}) needs {best['peak_bytes'] / 1e9:.1f} GB per GPU, "
-            f"{over / 1e9:.1f} GB over {hw.gpu_mem / 1e9:.0f} GB; it would fit on GPUs with >= {best['peak_bytes'] / 1e9:.0f} GB, "
+    best = min(rows, key=lambda r: r.peak_bytes)
+    over = best.peak_bytes - hw.gpu_mem
+    return (f"nothing fits: the smallest candidate ({best.label}) needs {best.peak_bytes / 1e9:.1f} GB per GPU, "
+            f"{over / 1e9:.1f} GB over {hw.gpu_mem / 1e9:.0f} GB; it would fit on GPUs with >= {best.peak_bytes / 1e9:.0f} GB, "
             f"or with more GPUs sharding the states (ZeRO-3 divides them by the GPU count)")
 
 
-def to_scale_spec(row: dict, hw: Hardware, name: str = "plan"):
+def to_scale_spec(row: Candidate, hw: Hardware, name: str = "plan"):
     """The foundation's ScaleSpec for a picked candidate (so --write reuses the config builders)."""
     from ..scale.spec import Launch, Parallel, ScaleSpec, Zero
 
-    off = row["offload"]
-    par = Parallel(sp=row.get("sp", 1), tp=row.get("tp", 1), cp=row.get("cp", 1),
-                   sp_attention="flash_attention_2" if row.get("sp", 1) > 1 else "sdpa")
-    zero = Zero(stage=row["zero"], offload_optimizer=off,
-                offload_params=off if (off != "none" and row["zero"] == 3) else "none",
+    off = row.offload
+    par = Parallel(sp=row.sp, tp=row.tp, cp=row.cp, sp_attention="flash_attention_2" if row.sp > 1 else "sdpa")
+    zero = Zero(stage=row.zero, offload_optimizer=off,
+                offload_params=off if (off != "none" and row.zero == 3) else "none",
                 nvme_path="/local_nvme/hfscale" if off == "nvme" else None)
     launch = Launch(num_processes=hw.world, num_machines=hw.nodes,
                     main_process_ip="MAIN_NODE_ADDRESS" if hw.nodes > 1 else None)
-    engine = "deepspeed" if row["zero"] > 0 else "ddp"
+    engine = "deepspeed" if row.zero > 0 else "ddp"
     if par.tp > 1 or par.cp > 1:  # transformers TP / torch CP: FSDP2 (or DDP when TP spans the world)
-        engine, zero = ("fsdp2", Zero(stage=0)) if row["zero"] == 3 else ("ddp", Zero(stage=0))
-    return ScaleSpec(name, engine=engine, zero=zero if row["zero"] > 0 and engine == "deepspeed" else Zero(stage=0),
-                     precision=row.get("precision", "bf16"), gradient_accumulation_steps=row["grad_accum"],
-                     gradient_checkpointing=row["checkpointing"], launch=launch, parallel=par)
+        engine, zero = ("fsdp2", Zero(stage=0)) if row.zero == 3 else ("ddp", Zero(stage=0))
+    return ScaleSpec(name, engine=engine, zero=zero if row.zero > 0 and engine == "deepspeed" else Zero(stage=0),
+                     precision=row.precision, gradient_accumulation_steps=row.grad_accum,
+                     gradient_checkpointing=row.checkpointing, launch=launch, parallel=par)
 
 
-__all__ = ["Hardware", "candidates", "pick", "shortfall", "parse_size", "to_scale_spec"]
+__all__ = ["Candidate", "Hardware", "candidates", "judge", "peak_bytes", "pick", "shortfall", "parse_size", "to_scale_spec"]

@@ -305,10 +305,12 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 
 def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1,
-               optimizer_only: bool = False, adamw: str = "fused", kernels: str = "cpu") -> StepTrace:
+               optimizer_only: bool = False, adamw: str = "fused", kernels: str = "cpu",
+               optimizer: bool = True) -> StepTrace:
     """Trace step 1 of training the model `config` describes on fake tensors, and the steady optimizer step.
     `optimizer_only` skips forward and backward (`micro` is empty): both optimizer steps then run on
-    gradients shaped as backward makes them (used to scale a trace to full depth, `peak.py`).
+    gradients shaped as backward makes them (used to scale a trace to full depth, `peak.py`); `optimizer=False`
+    skips the optimizer steps (the shallower traces a scaled trace reads forward and backward from).
 
     Forward and backward are traced once: a steady step's differ from step 1's only by the optimizer
     states then alive (gradients are freed after each step). The optimizer step is traced twice (step 1
@@ -335,8 +337,8 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
             with cuda_attention(counts) if kernels == "cuda" else contextlib.nullcontext():
                 micros, arrivals = (([], []) if optimizer_only
                                     else _micro_steps(model, mt, ids, precision, grad_accum, opt.params))
-            opts = []
-            for step in range(2):
+            opts = [PhasePeak(0, {})] * 2 if not optimizer else []
+            for step in range(2 if optimizer else 0):
                 if step or optimizer_only:
                     for p in opt.params:
                         p.grad = torch.zeros_like(p)

@@ -16,25 +16,25 @@ from ..scale.runtime import training_arguments_kwargs
 from .planner import to_scale_spec
 
 
-def write_plan(row: dict, hw, out: Path, force: bool = False, model: str | None = None, seq_len: int | None = None) -> list[Path]:
+def write_plan(row, hw, out: Path, force: bool = False, model: str | None = None, seq_len: int | None = None) -> list[Path]:
     spec = to_scale_spec(row, hw)
     files = render_config_set(spec, out, out)
     kw = training_arguments_kwargs(spec)
     kw.pop("deepspeed", None)
     kw.pop("use_cpu", None)
     kw.pop("ddp_backend", None)
-    args = {"per_device_train_batch_size": row["micro_batch"], "gradient_accumulation_steps": row["grad_accum"], **kw}
+    args = {"per_device_train_batch_size": row.micro_batch, "gradient_accumulation_steps": row.grad_accum, **kw}
     if spec.uses_deepspeed:
         args["deepspeed"] = str(out / f"{spec.name}.json")
-    header = f"# TrainingArguments for the plan '{row['strategy']}' (hfscale plan --write); predicted peak {row['peak_bytes'] / 1e9:.1f} GB/GPU\n"
+    header = f"# TrainingArguments for the plan '{row.label}' (hfscale plan --write); predicted peak {row.peak_bytes / 1e9:.1f} GB/GPU\n"
     files[out / "training_args.yaml"] = header + yaml.safe_dump(args, sort_keys=False)
     if model and seq_len:
-        recipe = {"model": model, "seq_len": seq_len, "micro_batch": row["micro_batch"],
-                  "global_batch_tokens": row["micro_batch"] * row["grad_accum"] * row.get("dp", hw.world) * seq_len,
-                  "checkpointing": row["checkpointing"], "precision": "launch"}
+        recipe = {"model": model, "seq_len": seq_len, "micro_batch": row.micro_batch,
+                  "global_batch_tokens": row.micro_batch * row.grad_accum * row.dp * seq_len,
+                  "checkpointing": row.checkpointing, "precision": "launch"}
         files[out / "recipe.yaml"] = (
             f"# accelerate launch --config_file {out / (spec.name + '.yaml')} recipes/train_clm.py --config {out / 'recipe.yaml'}\n"
-            f"# recipes/train_clm.py settings for the plan '{row['strategy']}' (hfscale plan --write); add data, max_steps, lr\n"
+            f"# recipes/train_clm.py settings for the plan '{row.label}' (hfscale plan --write); add data, max_steps, lr\n"
             + yaml.safe_dump(recipe, sort_keys=False))
     check_writable({p: "--write" for p in files}, force)
     return [write_text_atomic(p, t) for p, t in files.items()]

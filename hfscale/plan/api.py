@@ -1,0 +1,292 @@
+"""`hfscale.plan.plan(model, seq_len=..., micro_batch=..., hardware=...) -> Plan`: the planner as one library call.
+
+Every decision lives here, not in the CLI: which model of memory answers, what the trace cannot run and what
+then answers instead, the candidates for a hardware budget and the pick, the serving memory. `hfscale plan`
+only maps its flags to this call and prints the Plan.
+
+Which model answers (`method`):
+  "auto" (default)  the step is traced from transformers' own code on fake tensors (trace.py, peak.py, with
+                    DeepSpeed's buffers laid over it by zero.py) for every causal LM transformers builds from
+                    its config. The analytic terms (memory.py) answer only where a step cannot be traced, and
+                    the Prediction says why: another optimizer than AdamW, QLoRA's NF4 kernels, tensor / context
+                    parallel ranks (one process traces one rank), an op without a fake kernel.
+  "trace"           as auto, but a step that cannot be traced is an error (one line).
+  "fast"            the analytic terms alone (model states + saved activations; no temporaries, no phases),
+                    for the families memory.py has formulas for; no torch import once the shape is cached.
+Kernels (`kernels`): the attention kernels traced follow the hardware planned for: CUDA's flash /
+memory-efficient attention when `hardware` (GPUs) is given, the CPU's kernels otherwise.
+Candidates share traces: a trace is keyed by the per-rank shapes (micro batch, sequence per rank,
+checkpointing, precision as it runs, optimizer), and ZeRO stages, offload and the data-parallel size are laid
+over it without tracing again (peak.py's cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..errors import HfscaleError
+from .memory import Strategy
+from .planner import Candidate, Hardware, candidates, pick, shortfall
+from .prediction import Prediction, from_analytic, from_trace
+
+METHODS = ("auto", "trace", "fast")
+
+
+@dataclass(frozen=True)
+class Serving:
+    """`--inference`: serving memory at a weight quantization, batch and context (default: the sequence)."""
+
+    quant: str = "bf16"
+    batch: int = 1
+    context: int | None = None
+    ram_budget: int | None = None  # MoE: RAM for cached experts when streaming them (hfscale.experts)
+    routing_blocks: int | None = None  # MoE: measure routing on this many calibration blocks (a local model)
+
+    def __post_init__(self):
+        if self.batch < 1 or (self.context is not None and self.context < 1):
+            raise HfscaleError(f"--batch and --context must be at least 1 (got {self.batch}, {self.context})")
+        if self.routing_blocks is not None and self.routing_blocks < 0:
+            raise HfscaleError(f"--routing-blocks must be >= 0 (got {self.routing_blocks})")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `plan` answers: the prediction for the strategy asked, and with hardware the ranked candidates and
+    the pick (None when nothing fits; `nothing_fits` then says by how much)."""
+
+    model: str
+    strategy: Strategy
+    prediction: Prediction
+    kernels: str
+    hardware: Hardware | None = None
+    candidates: tuple[Candidate, ...] = ()
+    pick: Candidate | None = None
+    nothing_fits: str | None = None
+    serving: Serving | None = None
+    inference: dict | None = None
+    moe_serving: object = None  # moe_serving.MoEServing for an MoE model with `serving`
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        """`hfscale plan --json`."""
+        out = {"model": self.model, "params": self.prediction.params, "strategy": self.strategy.label,
+               "prediction": self.prediction.to_dict()}
+        if self.inference is not None:
+            out["inference"] = self.inference
+        if self.moe_serving is not None:
+            out["moe_serving"] = self.moe_serving.as_dict()
+        if self.hardware is not None:
+            out["candidates"] = [c.to_dict() for c in self.candidates]
+            out["pick"] = self.pick.to_dict() if self.pick else None
+            if self.nothing_fits:
+                out["nothing_fits"] = self.nothing_fits
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+
+class _Predictor:
+    """One strategy -> one Prediction, by the method asked; the one place a Prediction is made for a plan."""
+
+    def __init__(self, model: str, shape, method: str, kernels: str):
+        self.model, self.shape, self.method, self.kernels = model, shape, method, kernels
+        self._config = None
+        self.failed: str | None = None  # the first trace error under "auto" (then the analytic terms answer)
+
+    @property
+    def config(self):
+        if self._config is None:
+            from ..models import load_config
+
+            self._config = load_config(self.model)
+        return self._config
+
+    def why_analytic(self, s: Strategy) -> str | None:
+        from .peak import untraceable
+
+        if self.method == "fast":
+            return "asked for (--fast): the analytic terms, no temporaries or phases"
+        why = untraceable(s)
+        if why is None and (s.tp > 1 or s.cp > 1):
+            why = "tensor / context parallel ranks are not traced (one process traces one rank): hfscale.plan.parallel"
+        if why is None and self.failed:
+            why = self.failed
+        return why
+
+    def __call__(self, s: Strategy, grad_accum: int = 1, gpu_mem: int | None = None, skip: str | None = None) -> Prediction:
+        """`gpu_mem`: a candidate whose model states alone exceed it is answered analytically (it cannot fit);
+        `skip`: a reason not to trace this candidate (used where the model has analytic formulas)."""
+        from .trace import TraceError
+
+        why = self.why_analytic(s)
+        if why is None and self.shape.dims is not None and (gpu_mem is not None or skip):
+            terms = _analytic(self.shape.dims, s)
+            if terms["weights"] + terms["gradients"] + terms["optimizer"] > (gpu_mem or float("inf")):
+                return from_analytic(terms, "not traced: the model states alone exceed the GPU")
+            if skip:
+                return from_analytic(terms, skip)
+        if why is None:
+            try:
+                return self._trace(s, grad_accum)
+            except TraceError as e:
+                if self.method == "trace" or self.shape.dims is None:
+                    raise
+                self.failed = why = f"the step cannot be traced ({e})"
+        elif self.method == "trace":
+            raise HfscaleError(f"--trace: {why}")
+        if self.shape.dims is None:
+            raise HfscaleError(f"{why}; and {self.shape.dims_error}")
+        return from_analytic(_analytic(self.shape.dims, s), why)
+
+    def _trace(self, s: Strategy, grad_accum: int) -> Prediction:
+        from .peak import for_strategy
+
+        d = self.shape.dims
+        buffers = None
+        per_rank = s
+        if s.sp > 1:  # Ulysses: a rank holds seq/sp tokens of each sequence; ZeRO shards over dp x sp ranks
+            per_rank = replace(s, seq_len=s.seq_len // s.sp, dp=s.dp * s.sp, sp=1)
+            if d is not None:
+                from .parallel import parallel_buffers
+
+                buffers = {k: v for k, v in parallel_buffers(d, s).items() if v}
+        step = _cached_step(self.model, per_rank, grad_accum, self.kernels,
+                            lambda: for_strategy(self.config, per_rank, grad_accum, self.kernels))
+        return from_trace(step, _analytic(d, s) if d is not None else None, buffers)
+
+
+STEP_FORMAT = 1  # bump when what a cached step prediction holds changes
+
+
+def _cached_step(model: str, s: Strategy, grad_accum: int, kernels: str, compute) -> dict:
+    """A strategy's traced step prediction, cached by the config's bytes (as `shape.model_shape` caches a shape),
+    the strategy, the hfscale code that computes it and the library versions: a warm plan loads no config and
+    imports neither torch nor transformers. Hub names are not cached here (the trace cache still holds them)."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from ..cache import cache_root, cached_json
+    from .shape import _source_bytes
+
+    try:
+        source = _source_bytes(model)
+    except OSError:
+        source = None
+    if source is None:
+        return compute()
+    root = Path(__file__).resolve().parent.parent
+    code = b"".join(f.read_bytes() for f in sorted((root / "plan").glob("*.py")) + [root / "models.py", root / "checkpointing.py"])
+    key = json.dumps([asdict(s), grad_accum, kernels, version("torch"), version("transformers"), STEP_FORMAT], sort_keys=True)
+    digest = hashlib.sha256(source + code + key.encode()).hexdigest()[:32]
+    return cached_json(cache_root() / "steps" / f"{digest}.json", compute, lambda v: v["peak"])
+
+
+def _analytic(d, s: Strategy) -> dict:
+    from .memory import predict
+    from .parallel import predict_parallel
+
+    return predict_parallel(d, s) if s.sp * s.tp * s.cp > 1 else predict(d, s)
+
+
+def _parallel(sp, tp, cp, hw: Hardware | None, heads, model: str, seq_len: int):
+    """sp / tp / cp as a validated Parallel, checked against the model's heads (SP assumed on flash attention,
+    as on GPUs); HfscaleError with the value to set."""
+    from ..scale.parallel import require_model_fits
+    from ..scale.spec import Parallel
+
+    sp, tp, cp = (1 if v is None else v for v in (sp, tp, cp))
+    par = Parallel(sp=sp, tp=tp, cp=cp, sp_attention="flash_attention_2")
+    if sp > 1 and tp > 1:
+        raise HfscaleError("--sp (DeepSpeed Ulysses) and --tp (transformers TP under FSDP2) do not compose in accelerate; drop one")
+    if hw is not None and par.size > hw.gpus_per_node:
+        raise HfscaleError(f"sp x tp x cp = {par.size} spans more than one node of {hw.gpus_per_node} GPUs; use sizes whose "
+                           f"product is at most {hw.gpus_per_node}")
+    if hw is not None and hw.world % par.size:
+        raise HfscaleError(f"sp x tp x cp = {par.size} does not divide the {hw.world} GPUs; "
+                           "use sizes whose product divides the GPU count")
+    if par.size > 1:
+        require_model_fits(par, heads, model, seq_len=seq_len)
+    return par
+
+
+def _no_sp_note(heads, sp_asked, sizes) -> str:
+    """Why no sequence-parallel candidate was planned, when the model rules it out."""
+    if heads is None or sp_asked is not None or any(sp > 1 for sp, _, _ in sizes):
+        return ""
+    from ..scale.parallel import model_problems
+    from ..scale.spec import Parallel
+
+    errs = [p for p in model_problems(Parallel(sp=2, sp_attention="flash_attention_2"), heads) if p.severity == "error"]
+    return f"; sequence parallel is no candidate: {errs[0].what}" if errs else ""
+
+
+def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "off", zero: int = 0,
+         offload: str = "none", dp: int | None = None, precision: str = "bf16", optimizer: str = "adamw",
+         attention: str = "sdpa", lora_rank: int = 0, base_bits: int = 16, sp: int | None = None,
+         tp: int | None = None, cp: int | None = None, hardware: Hardware | None = None,
+         global_batch_tokens: int | None = None, method: str = "auto", kernels: str | None = None,
+         serving: Serving | None = None, progress: bool = False) -> Plan:
+    """Predict per-rank memory of training `model` (a built-in name, config.json, model directory or hub name)
+    with the strategy given; with `hardware`, rank every strategy for it and pick the cheapest that fits.
+    Raises HfscaleError (one line) for invalid input; see the module docstring for `method` and `kernels`."""
+    from .kernels import KERNELS
+    from .parallel import parallel_options
+    from .shape import model_shape
+
+    if method not in METHODS:
+        raise HfscaleError(f"method must be one of {', '.join(METHODS)} (got {method!r})")
+    if kernels is not None and kernels not in KERNELS:
+        raise HfscaleError(f"--kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
+    if kernels is not None and method == "fast":
+        raise HfscaleError("--kernels chooses the traced attention kernels and --fast traces nothing; drop one")
+    kernels = kernels or ("cuda" if hardware is not None else "cpu")
+    shape = model_shape(model)
+    if shape.heads is None and any(v not in (None, 1) for v in (sp, tp, cp)):
+        raise HfscaleError(shape.heads_error)
+    par = _parallel(sp, tp, cp, hardware, shape.heads, model, seq_len)
+    dp = dp if dp is not None else (hardware.world // par.size if hardware else 1)  # dp 0 is refused, not made 1
+    s = Strategy(zero=zero, dp=dp, precision=precision, optimizer=optimizer, offload=offload,
+                 checkpointing=checkpointing, micro_batch=micro_batch, seq_len=seq_len, attention=attention,
+                 lora_rank=lora_rank, base_bits=base_bits, sp=par.sp, tp=par.tp, cp=par.cp)
+    d = shape.dims
+    if d is None and (method == "fast" or serving is not None):
+        raise HfscaleError(f"{shape.dims_error}; {'--inference' if serving else '--fast'} needs those formulas: drop it "
+                           "and the step is traced from transformers' own code instead")
+    predict = _Predictor(model, shape, method, kernels)
+    pred = predict(s)
+    notes = []
+    if pred.source == "trace" and d is None:
+        notes.append(f"{shape.model_type}: no analytic formulas, so the step was traced from transformers' own code")
+    inference = moe = None
+    if serving is not None:
+        from .memory import inference_bytes
+        from .moe_serving import for_model
+
+        inference = inference_bytes(d, serving.quant, serving.batch, serving.context or seq_len)
+        moe = for_model(model, d, serving.quant, inference["kv_cache"], hardware.gpu_mem if hardware else None,
+                        serving.ram_budget, serving.routing_blocks)
+    rows, best, nothing = (), None, None
+    if hardware is not None:
+        tokens = global_batch_tokens or micro_batch * seq_len * hardware.world
+        sizes = (parallel_options(shape.heads, hardware, seq_len, sp, tp, cp) if shape.heads is not None else [(1, 1, 1)])
+        from .peak import repeat_period
+
+        period = repeat_period(list(d.layer_types)) if d is not None and d.layer_types else 1
+        rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, progress=progress,
+                          period=period)
+        if predict.failed and any(c.prediction.source == "trace" for c in rows):
+            # a candidate's step could not be traced: rank them all on the analytic terms (one basis), and say why
+            notes.append(f"candidates ranked on the analytic terms: {predict.failed}")
+            predict.method = "fast"
+            rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, period=period)
+        best = pick(rows)
+        if best is None:
+            nothing = shortfall(rows, hardware) + _no_sp_note(shape.heads, sp, sizes)
+        rows = tuple(rows)
+    return Plan(model, s, pred, kernels, hardware, rows, best, nothing, serving, inference, moe, tuple(notes))
+
+
+__all__ = ["METHODS", "Plan", "Serving", "plan"]
