@@ -592,7 +592,7 @@ def _plan_odd(files, *extra):
 @_settings("plan")
 @given(case=CASES["plan"])
 # the default (traced) plan on odd configs: zero heads, a huge vocabulary, untied / tied embeddings, MoE in fp32
-# (refused naming the op fake tensors cannot run) and in bf16, with and without hardware
+# and in bf16, with and without hardware
 @example(case=_plan_odd(_odd_config(num_attention_heads=0)))
 @example(case=_plan_odd(_odd_config(vocab_size=4_000_000), "--gpus-per-node", "2"))
 @example(case=_plan_odd(_odd_config(tie_word_embeddings=False)))

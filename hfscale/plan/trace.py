@@ -330,7 +330,7 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
     try:
         with torch.device("meta"):
             model = _build(config, precision, attention, lora_rank)
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors():
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm():
             opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
                                   adamw)
             counts: Counter = Counter()
@@ -362,6 +362,43 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
                      attention_kernels={k: v // len(micros) for k, v in counts.items()} if micros else {},
                      grad_arrivals=arrivals,
                      param_numels=[p.numel() for p in opt.params])
+
+
+def _grouped_mm_shape(a, b, offs) -> tuple:
+    """aten._grouped_mm's output shape (its four layouts: 2-D x 3-D experts forward, 2-D x 2-D per-group weight
+    gradient, 3-D x 2-D, 3-D x 3-D batched)."""
+    if a.dim() == 2 and b.dim() == 3:
+        return a.shape[0], b.shape[-1]
+    if a.dim() == 2 and b.dim() == 2:
+        return offs.shape[0], a.shape[0], b.shape[1]
+    if a.dim() == 3 and b.dim() == 2:
+        return a.shape[1], b.shape[1]
+    return a.shape[0], a.shape[1], b.shape[-1]
+
+
+@contextlib.contextmanager
+def _cpu_grouped_mm():
+    """MoE experts (transformers' default grouped_mm path) in fp32: torch 2.13's fake `aten._grouped_mm` takes bf16
+    only (CUDA's rule) while the CPU kernel a real run uses takes fp32 too. Under this mode an fp32 call returns an
+    empty tensor of the kernel's output shape and dtype (all the trace needs: the bytes), for forward and backward;
+    others go to the fake kernel. Measured: Mixtral / Qwen3-MoE fp32 and autocast traces equal real CPU steps
+    (benchmarks/results/plan_default.md)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    op = torch.ops.aten._grouped_mm.default
+
+    class CpuGroupedMM(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is op and args[0].dtype == torch.float32:
+                offs = args[2] if len(args) > 2 else kwargs.get("offs")
+                dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None) or args[0].dtype
+                return torch.empty(_grouped_mm_shape(args[0], args[1], offs), dtype=dtype, device=args[0].device)
+            return func(*args, **kwargs)
+
+    with CpuGroupedMM():
+        yield
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """Tiny configs of transformers' causal LMs, one per architecture family (Gemma 3 is the built-in tiny model), for checking the
 step trace against real runs (tests/test_trace.py, benchmarks/step_peak.py). Same small shape for all:
 4 layers, hidden 128, 4 heads (2 KV heads where the family has GQA), MLP 256, vocabulary 2,048.
-MoE families (mixtral, qwen3_moe) trace in bf16 only: torch 2.13's fake kernel of `aten._grouped_mm`
-(transformers' default experts implementation) refuses fp32, although the real CPU kernel runs it."""
+MoE families (mixtral, qwen3_moe) trace in fp32 too: torch 2.13's fake kernel of `aten._grouped_mm` (transformers'
+default experts implementation) refuses fp32, which the real CPU kernel runs; the trace gives such calls their output
+shape (trace._cpu_grouped_mm)."""
 
 from __future__ import annotations
 
