@@ -67,6 +67,9 @@ elif way == "trainer":
         assert args.device.type == "cpu"
         deepspeed.init_distributed(dist_backend="gloo")
         assert deepspeed.comm.get_world_size() == 2
+    from hfscale.scale.runtime import end_process_group_at_exit
+
+    end_process_group_at_exit()  # Trainer leaves the process group to interpreter shutdown: the SIGABRT exit race
     Trainer(model=build_model("tiny-gemma3"), args=args, train_dataset=Blocks()).train()
 else:  # a plain accelerate loop, checkpointing the way the plan's recipe.yaml says
     from hfscale.checkpointing import apply_checkpointing_
