@@ -187,6 +187,6 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         value = math.nan
-    if unit not in units or not value > 0:
+    if unit not in units or not (value > 0 and math.isfinite(value)) or value * units[unit] < 1:
         raise HfscaleError(f"--shard-size {text!r} not understood; use e.g. 2GB, 500MB or 1GiB")
     return int(value * units[unit])
