@@ -47,7 +47,12 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"qat_clm: error: {e}", file=sys.stderr)
         return 2
-    return train(cfg, force, pre)
+    from hfscale.train.loop import stopped
+
+    try:
+        return train(cfg, force, pre)
+    except Exception as e:  # a preemption (75), a failed save (74), a resume the ranks disagree on (2); else re-raised
+        return stopped(e, "qat_clm", rank)
 
 
 def build_student(cfg, spec):

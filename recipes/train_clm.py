@@ -45,7 +45,12 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"train_clm: error: {e}", file=sys.stderr)
         return 2
-    return train(cfg, force, pre, parallel)
+    from hfscale.train.loop import stopped
+
+    try:
+        return train(cfg, force, pre, parallel)
+    except Exception as e:  # a preemption (75), a failed save (74), a resume the ranks disagree on (2); else re-raised
+        return stopped(e, "train_clm", rank)
 
 
 def check_parallel(cfg, pre):

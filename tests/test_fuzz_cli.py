@@ -42,7 +42,7 @@ from conftest import snapshot
 ROOT = Path(__file__).resolve().parents[1]
 STAGE = ".hfscale-stage."
 EXIT = {"config": {0, 2}, "plan": {0, 1, 2}, "profile": {0, 2}, "doctor": {0, 1, 2}, "quantize": {0, 2}, "eval": {0, 2},
-        "tiny": {0, 2}, "slurm": {0, 2}, "prove": {0, 2}, "demo": {0, 2}, "cli": {0, 2}}
+        "tiny": {0, 2}, "slurm": {0, 2}, "prove": {0, 2}, "demo": {0, 2}, "cli": {0, 2}, "checkpoint": {0, 2}}
 
 
 @dataclass(frozen=True)
@@ -381,7 +381,39 @@ def demo_cases(draw):
     return Case("demo", tuple(argv), draw(envs))
 
 
-VERBS = ["config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo"]
+def _marker(**extra) -> bytes:
+    return json.dumps({"model": "tiny-gemma3", "step": 2, "tokens_per_step": 512, **extra}).encode()
+
+
+# checkpoint directories under in/ck (hfscale checkpoint info/export): a file shorter than its manifest says, a
+# safetensors header pointing past the end, a rank file that is not a zip, a marker that is not JSON, no marker
+CKPTS = {
+    "short": (("in/ck/hfscale_state.json", _marker(files={"model.safetensors": [4096, "0" * 16]})),
+              ("in/ck/model.safetensors", b"\x08" + b"\x00" * 15)),
+    "truncated": (("in/ck/hfscale_state.json", _marker()),
+                  ("in/ck/model.safetensors", (64).to_bytes(8, "little") + b'{"w":{"dtype":"F32","shape":[4096],'
+                                                                              b'"data_offsets":[0,16384]}}      ')),
+    "rank_not_zip": (("in/ck/hfscale_state.json", _marker(engine="deepspeed", ranks=2)),
+                     ("in/ck/pytorch_model/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", b"PK\x03\x04 not a zip"),
+                     ("in/ck/pytorch_model/mp_rank_00_model_states.pt", b"")),
+    "bad_marker": (("in/ck/hfscale_state.json", b"{step: 2"), ("in/ck/model.safetensors", b"")),
+    "no_marker": (("in/ck/model.safetensors", b""),),
+}
+
+
+@st.composite
+def checkpoint_cases(draw):
+    files = CKPTS[draw(st.sampled_from(sorted(CKPTS)))]
+    target = draw(st.sampled_from(["in/ck", "in/ck", "in/ck", "missing_dir", "afile", "existing_dir", "in", "lnk/ck", ""]))
+    if draw(st.booleans()):
+        argv = ["checkpoint", "info", target]
+    else:
+        argv = ["checkpoint", "export", target, "--out", draw(out_path())]
+        argv += draw(flags({"--shard-size": st.sampled_from(SIZES), "--force": None}))
+    return Case("checkpoint", tuple(argv), draw(envs), files)
+
+
+VERBS = ["config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo", "checkpoint"]
 
 
 @st.composite
@@ -396,7 +428,7 @@ def cli_cases(draw):
 
 CASES = {"config": config_cases(), "plan": plan_cases(), "doctor": doctor_cases(), "quantize": quantize_cases(),
          "eval": eval_cases(), "tiny": tiny_cases(), "slurm": slurm_cases(), "prove": prove_cases(),
-         "demo": demo_cases(), "profile": profile_cases(), "cli": cli_cases()}
+         "demo": demo_cases(), "profile": profile_cases(), "cli": cli_cases(), "checkpoint": checkpoint_cases()}
 
 
 # --- running a case and checking the properties --------------------------------------------------------
@@ -550,7 +582,7 @@ def _check(case: Case, model: Path | None):
 
 # bounded for `make test`: the whole file ~1-2 min on 2 cores; derandomized so CI sees the same cases
 BOUNDED = {"config": 150, "plan": 150, "doctor": 80, "quantize": 30, "eval": 30, "tiny": 30, "slurm": 150,
-           "prove": 100, "demo": 12, "profile": 40, "cli": 60}
+           "prove": 100, "demo": 12, "profile": 40, "cli": 60, "checkpoint": 60}
 
 
 def _settings(verb):
@@ -638,6 +670,12 @@ def test_fuzz_tiny(case, tiny_model):
 @_settings("slurm")
 @given(case=CASES["slurm"])
 def test_fuzz_slurm(case):
+    _check(case, None)
+
+
+@_settings("checkpoint")
+@given(case=CASES["checkpoint"])
+def test_fuzz_checkpoint(case):
     _check(case, None)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,6 +198,76 @@ def test_existing_run_needs_resume_or_force(one_process_run):
     assert sorted(p.name for p in one_process_run.rglob("*")) == before
 
 
+def test_checkpoint_info_export_and_their_refusals(one_process_run, tmp_path, cli):
+    """The single-process (DDP-format) checkpoint: info, export (the same tensors as its model.safetensors, reloading to
+    the same logits); a wrong directory, a truncated file and an existing --out: one line, exit 2, nothing written."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ckpt = one_process_run / "checkpoints" / "step_00000002"
+    r = cli("checkpoint", "info", ckpt)
+    assert r.returncode == 0 and "step 2, ddp on 1 rank" in r.stdout and "1,024 tokens seen (512/step)" in r.stdout
+    assert "intact: yes" in r.stdout
+    r = cli("checkpoint", "export", ckpt, "--out", tmp_path / "fp32")
+    assert r.returncode == 0 and "54 tensors in 1 safetensors shard" in r.stdout, r.stderr
+    mine, theirs = load_file(tmp_path / "fp32" / "model.safetensors"), load_file(ckpt / "model.safetensors")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ids = torch.randint(4, 4096, (1, 16), generator=torch.Generator().manual_seed(0))
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").eval()
+    b = AutoModelForCausalLM.from_config(a.config).eval()
+    b.load_state_dict(theirs, strict=False)
+    b.tie_weights()
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    for args, needle in [(("info", tmp_path / "nope"), "is not a directory"),
+                         (("info", one_process_run), "not a complete hfscale checkpoint"),
+                         (("export", bad, "--out", tmp_path / "o"), "is damaged (model.safetensors: 1,000 bytes"),
+                         (("export", ckpt, "--out", tmp_path / "fp32"), "exists; pass --force"),
+                         (("export", ckpt, "--out", tmp_path / "o", "--shard-size", "0GB"), "--shard-size '0GB'")]:
+        r = cli("checkpoint", *args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, (args, r.stderr)
+        assert not (tmp_path / "o").exists()
+
+
+def test_damaged_checkpoints_are_found_and_none_intact_is_one_line(one_process_run, tmp_path):
+    """The manifest in the marker finds a truncated, a bit-flipped, a missing and an extra file; with the only
+    checkpoint damaged, --resume latest is one line, exit 2, nothing written."""
+    from hfscale.train.state import damage
+
+    run = tmp_path / "run"
+    shutil.copytree(one_process_run, run)
+    ckpt = run / "checkpoints" / "step_00000002"
+    assert damage(ckpt) is None
+    target = ckpt / "optimizer.bin"
+    data = target.read_bytes()
+    target.write_bytes(data[: len(data) // 2])
+    assert damage(ckpt) == f"optimizer.bin: {len(data) // 2:,} bytes, the manifest says {len(data):,}"
+    target.write_bytes(data)
+    flip_byte(target)
+    assert damage(ckpt) == "optimizer.bin: its content differs from the manifest's hash (a changed or corrupted file)"
+    (ckpt / "stray.pt").write_bytes(b"x")
+    assert damage(ckpt) == "stray.pt is not in its manifest"
+    target.unlink()
+    assert damage(ckpt) == "optimizer.bin is missing"
+    before = sorted(str(p) for p in run.rglob("*"))
+    r = run_recipe("--config", TINY_YAML, "--output-dir", run, *FAST, "--max-steps", "4", "--resume", "latest")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("train_clm")]
+    assert "no intact checkpoint under" in line and "step_00000002: optimizer.bin is missing" in line and "--force" in line
+    r = run_recipe("--config", TINY_YAML, "--output-dir", run, *FAST, "--max-steps", "4", "--resume", ckpt)
+    assert r.returncode == 2 and "is damaged (optimizer.bin is missing)" in r.stderr
+    r = run_recipe("--config", TINY_YAML, "--output-dir", one_process_run, *FAST, "--max-steps", "4",
+                   "--global-batch-tokens", "1024", "--resume", "latest")
+    assert r.returncode == 2 and "trained 512 tokens/step" in r.stderr and "--global-batch-tokens 512" in r.stderr
+    assert sorted(str(p) for p in run.rglob("*")) == before
+
+
 def test_resume_from_a_different_model_refused(one_process_run, tmp_path):
     from hfscale.models import tiny_config
 
@@ -211,21 +282,34 @@ def test_resume_from_a_different_model_refused(one_process_run, tmp_path):
 
 # --- real launches: 2 processes ----------------------------------------------------------------------
 
-def launch(config: str, out: Path, *args, env=None, check=True, fault=None):
-    """The recipe on 2 processes; fault="kill@step:5:1" runs it through tests/scripts/faulty_recipe.py."""
+def launch(config: str, out: Path, *args, env=None, check=True, fault=None, procs=2, signal_after=None, log_dir=None):
+    """The recipe on `procs` processes; fault="kill@step:5:1" (or "record@DIR") runs it through
+    tests/scripts/faulty_recipe.py. signal_after=N: SIGUSR1 to the launcher once step N is logged (torchrun told
+    to forward it, as recipes/slurm/multinode.sbatch does). Returns (status, this launch's log)."""
+    import signal
+    import time
+
     from hfscale.proof import free_port
 
     script = [str(ROOT / "tests" / "scripts" / "faulty_recipe.py"), fault, str(RECIPE)] if fault else [str(RECIPE)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
+           "--num_processes", str(procs), "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
            *script, "--config", str(TINY_YAML), "--output-dir", str(out), *FAST, *map(str, args)]
-    log = out.parent / f"{out.name}.log"
+    log = (log_dir or out.parent) / f"{out.name}.log"
+    start = log.stat().st_size if log.exists() else 0
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", **(env or {})}
     with open(log, "a") as f:  # a file, not a pipe: a full pipe can stall a multi-process launch
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}).returncode
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        if signal_after is not None:
+            while p.poll() is None and max(read_records(out / "metrics.jsonl"), default=0) < signal_after:
+                time.sleep(0.2)
+            p.send_signal(signal.SIGUSR1)
+        rc = p.wait(timeout=900)
+    text = log.read_text()[start:]
     if check:
-        assert rc == 0, log.read_text()[-3000:]
-    return rc, log.read_text()
+        assert rc == 0, text[-3000:]
+    return rc, text
 
 
 def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2) -> float:
@@ -267,10 +351,16 @@ def test_recipe_trains_saves_and_reloads(tmp_path, config, distributed):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted_run(tmp_path_factory):
+    """ZeRO-2, 2 ranks, 8 steps, every checkpoint kept, the sequences each rank read recorded: (dir, records)."""
     out = tmp_path_factory.mktemp("ref") / "run"
-    launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2")
-    return read_records(out / "metrics.jsonl")
+    launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "4", fault=f"record@{out.parent}")
+    return out, read_records(out / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    return uninterrupted_run[1]
 
 
 def assert_same_trajectory(resumed: dict, reference: dict):
@@ -306,6 +396,9 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
     assert names[1:] == ["step_00000002", "step_00000004"]  # and the interrupted save, under a stage name:
     assert names[0].startswith(STAGE_PREFIX) and names[0].endswith(".step_00000006")
     assert json.loads((out / "checkpoints" / "step_00000004" / "hfscale_state.json").read_text())["step"] == 4
+    from hfscale.train.state import damage
+
+    assert damage(out / "checkpoints" / "step_00000004") is None  # every file as its manifest says
     _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest")
     assert f"removed the interrupted save {names[0]}" in log and "at step 4" in log
     assert_same_trajectory(read_records(out / "metrics.jsonl"), uninterrupted)
@@ -341,3 +434,198 @@ def test_doctor_runs_first_and_stops_a_bad_launch(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "hfscale doctor" in r.stderr and "stage3_gather_16bit_weights_on_model_save" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+# --- elastic resume, preemption, damaged checkpoints, a full disk (tests/scripts/faulty_recipe.py record@) ------
+
+def read_indices(directory: Path) -> dict[int, list]:
+    """step -> sorted sequence indices every rank read at that step (a step recorded twice fails the test)."""
+    got: dict[int, dict] = {}
+    for line in (directory / "indices.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        got.setdefault(r["step"], {}).setdefault(r["world"], []).extend(r["idx"])
+    for step, by_world in got.items():
+        assert len(by_world) == 1, f"step {step} was read at rank counts {sorted(by_world)}: read twice"
+    return {step: sorted(next(iter(w.values()))) for step, w in got.items()}
+
+
+def flip_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+# Resumed on another rank count, each step reads the same sequences in the same micro batches of 2 (rank r's
+# micro step a reads slice (a*world + r)*micro: world 2 and world 1 cut the 8 sequences into the same pairs), so
+# what differs is only where gradients are summed: over micro steps on one rank vs across two ranks (bf16 grads,
+# fp32 master weights under DeepSpeed). Measured max |loss delta| over the resumed steps (2-core AVX512-BF16 host,
+# bf16): ZeRO-2 2->1->2 0.00024, DDP 2->1 0.0 (fp32 weights, gradients all-reduced in fp32). 5e-3 is 20x that, and
+# 17x below what a subtly wrong resume moves the loss by: the same weights and moments with the cosine schedule of
+# another --max-steps gave 0.088 two steps later; restarting the optimizer or skipping data moves it by > 0.3.
+RESHAPE_TOL = 5e-3
+
+
+def assert_follows(resumed: dict, reference: dict, steps):
+    deltas = {s: abs(resumed[s]["loss"] - reference[s]["loss"]) for s in steps}
+    print("resumed vs uninterrupted |loss delta| per step:", {s: round(d, 5) for s, d in deltas.items()})
+    assert max(deltas.values()) < RESHAPE_TOL, deltas
+    assert {resumed[s]["tokens_seen"] for s in steps} == {reference[s]["tokens_seen"] for s in steps}
+    assert all(resumed[s]["tokens_seen"] == s * 512 for s in steps)  # the global batch kept: 512 tokens/step
+
+
+@pytest.mark.engine
+def test_zero2_fallback_2_to_1_sigusr1_then_1_to_2(tmp_path, uninterrupted_run):
+    """From the uninterrupted ZeRO-2 run's step 2 and 4 checkpoints, step 4 bit-flipped: 1 rank falls back to step 2
+    (universal: saved by 2 ranks), SIGUSR1 stops it at a step boundary with a checkpoint and status 75; 2 ranks
+    resume that (universal again: saved by 1 rank) to step 8, on the uninterrupted trajectory and data."""
+    ref_out, ref = uninterrupted_run
+    out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for name in ("step_00000002", "step_00000004"):
+        shutil.copytree(ref_out / "checkpoints" / name, ck / name)
+    flip_byte(ck / "step_00000004" / "pytorch_model" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    args = ["--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest"]
+    rc, log = launch("zero2.yaml", out, *args, procs=1, fault=f"record@{tmp_path}", signal_after=4, check=False)
+    assert rc == 128 + 10, log[-3000:]  # the launcher: SIGUSR1, after waiting for the ranks
+    assert (tmp_path / "exit_rank0.txt").read_text() == "75"  # the rank: preempted, checkpoint saved
+    assert ("checkpoint step_00000004 is damaged (pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: its "
+            "content differs from the manifest's hash") in log and "resuming from step_00000002" in log
+    assert f"resuming step 2 saved by 2 ranks on 1 rank: universal checkpoint {ck}/step_00000002.universal (converted" in log
+    stopped = int(re.search(r"SIGUSR1: stopped after step (\d+), checkpoint", log).group(1))
+    assert 4 <= stopped < 8
+    names = sorted(p.name for p in ck.iterdir())
+    assert not any(n.startswith(STAGE_PREFIX) for n in names) and f"step_{stopped:08d}" in names
+    assert "step_00000002" not in names and "step_00000002.universal" not in names  # pruned with its checkpoint
+
+    _, log = launch("zero2.yaml", out, *args, fault=f"record@{tmp_path}")
+    assert f"resuming step {stopped} saved by 1 ranks on 2 ranks: universal checkpoint" in log
+    assert "2 micro × 2 accum × 2 ranks × 64 = 512 tokens/step" in log
+    resumed = read_records(out / "metrics.jsonl")
+    assert sorted(resumed) == list(range(3, 9))
+    assert_follows(resumed, ref, range(3, 9))
+    # every step 3..8 read exactly the sequences the uninterrupted run read at that step: none twice, none skipped
+    mine, theirs = read_indices(tmp_path), read_indices(ref_out.parent)
+    assert sorted(mine) == list(range(3, 9)) and all(mine[s] == theirs[s] for s in mine)
+    assert_export_matches_zero_to_fp32(ck / "step_00000008", tmp_path / "export")  # ZeRO-2, 2 ranks
+    assert [json.loads(ln)["world"] for ln in (tmp_path / "indices.jsonl").read_text().splitlines()][0] == 1
+
+
+@pytest.mark.engine
+def test_zero3_2_to_1_to_2_ranks(tmp_path):
+    """ZeRO-3 (parameters sharded too): 2 ranks save step 2; 1 rank resumes it until SIGUSR1 stops it with a
+    checkpoint; 2 ranks resume that to 6; against an uninterrupted 2-rank run of 6 steps (the same --max-steps
+    everywhere: the cosine schedule depends on it). The universal conversion is made once and then reused."""
+    from hfscale.train.reshape import convert
+
+    ref = tmp_path / "ref"
+    launch("zero3.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "3", fault=f"record@{tmp_path}")
+    (tmp_path / "indices.jsonl").rename(tmp_path / "ref_indices.jsonl")
+    out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    shutil.copytree(ref / "checkpoints" / "step_00000002", ck / "step_00000002")
+    before = {p.name: p.stat().st_mtime_ns for p in (ck / "step_00000002").rglob("*")}
+    args = ["--max-steps", "6", "--save-every", "2", "--keep-last", "2", "--resume", "latest"]
+    rc, log = launch("zero3.yaml", out, *args, procs=1, fault=f"record@{tmp_path}", signal_after=3, check=False)
+    assert rc == 128 + 10 and (tmp_path / "exit_rank0.txt").read_text() == "75", log[-3000:]
+    assert "resuming step 2 saved by 2 ranks on 1 rank: universal checkpoint" in log
+    assert "2 micro × 4 accum × 1 ranks × 64 = 512 tokens/step" in log
+    assert {p.name: p.stat().st_mtime_ns for p in (ck / "step_00000002").rglob("*")} == before  # only read
+    stopped = int(re.search(r"SIGUSR1: stopped after step (\d+), checkpoint", log).group(1))
+    assert 3 <= stopped < 6
+    _, log = launch("zero3.yaml", out, *args, fault=f"record@{tmp_path}")
+    assert f"resuming step {stopped} saved by 1 ranks on 2 ranks: universal checkpoint" in log
+    assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), range(3, 7))
+    mine = read_indices(tmp_path)
+    (tmp_path / "indices.jsonl").unlink()
+    (tmp_path / "ref_indices.jsonl").rename(tmp_path / "indices.jsonl")
+    theirs = read_indices(tmp_path)
+    assert sorted(mine) == list(range(3, 7)) and all(mine[s] == theirs[s] for s in mine)
+    target, reused = convert(ck / f"step_{stopped:08d}")
+    assert reused and target == ck / f"step_{stopped:08d}.universal"
+    # hfscale checkpoint info / export on the 2-rank and the 1-rank ZeRO-3 checkpoints
+    from hfscale.export.ckpt_export import info
+
+    i = info(ck / f"step_{stopped:08d}")
+    assert (i.engine, i.zero, i.ranks, i.step, i.tokens_seen, i.precision, i.intact, i.universal) == \
+        ("deepspeed", 3, 1, stopped, stopped * 512, "bf16", "yes", True)
+    assert_export_matches_zero_to_fp32(ref / "checkpoints" / "step_00000002", tmp_path / "export2")
+    assert_export_matches_zero_to_fp32(ck / f"step_{stopped:08d}", tmp_path / "export1")
+
+
+@pytest.mark.engine
+def test_ddp_2_to_1_rank(tmp_path):
+    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same sequences per step."""
+    ref = tmp_path / "ref"
+    launch("ddp.yaml", ref, "--max-steps", "4", "--save-every", "2", "--keep-last", "2", fault=f"record@{tmp_path}")
+    (tmp_path / "indices.jsonl").rename(tmp_path / "ref_indices.jsonl")
+    out = tmp_path / "run"
+    shutil.copytree(ref / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
+    _, log = launch("ddp.yaml", out, "--max-steps", "4", "--save-every", "2", "--resume", "latest", procs=1,
+                    fault=f"record@{tmp_path}")
+    assert "at step 2 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
+    assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), (3, 4))
+    mine = read_indices(tmp_path)
+    (tmp_path / "indices.jsonl").unlink()
+    (tmp_path / "ref_indices.jsonl").rename(tmp_path / "indices.jsonl")
+    assert sorted(mine) == [3, 4] and all(mine[s] == read_indices(tmp_path)[s] for s in mine)
+
+
+@pytest.fixture
+def small_mount(tmp_path):
+    """A real 56 MiB file system (tmpfs): room for one DDP checkpoint of the tiny model (~36 MB), not two."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=56m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small file system here ({r.stderr.strip() or 'mount failed'}); needs root or CAP_SYS_ADMIN")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.engine
+def test_save_on_a_full_disk_fails_cleanly_on_every_rank(tmp_path, small_mount):
+    out = small_mount / "run"
+    rc, log = launch("ddp.yaml", out, "--max-steps", "3", "--save-every", "1", "--keep-last", "2",
+                     fault=f"record@{tmp_path}", check=False, log_dir=tmp_path)
+    assert rc != 0
+    assert [(tmp_path / f"exit_rank{r}.txt").read_text() for r in (0, 1)] == ["74", "74"]
+    lines = [ln for ln in log.splitlines() if ln.startswith("train_clm: error:")]
+    assert len(lines) == 1 and "saving checkpoint step_00000002 failed on rank 0" in lines[0], log[-3000:]
+    assert "free space there or choose another --output-dir" in lines[0] and "step_00000001 is kept" in lines[0]
+    # warned before training: 2 kept + 1 being written, ~34 MiB each (12 bytes x 3.0M params), > 56 MiB
+    assert re.search(r"warning: \S+ has 5\d MiB free; keep_last 2 checkpoints of ~34 MiB plus the one being written "
+                     r"need 103 MiB", log), log[-3000:]
+    from hfscale.train.state import damage
+
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]  # no stage left
+    assert damage(out / "checkpoints" / "step_00000001") is None
+    assert max(read_records(out / "metrics.jsonl")) == 2
+
+
+def assert_export_matches_zero_to_fp32(ckpt: Path, out: Path) -> None:
+    """`hfscale checkpoint export` of a DeepSpeed checkpoint: the same fp32 tensors as DeepSpeed's zero_to_fp32
+    (byte for byte), and the directory reloads in transformers to the same logits."""
+    import contextlib
+    import io
+
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hfscale.cli import main
+
+    assert main(["checkpoint", "export", str(ckpt), "--out", str(out), "--shard-size", "5MB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 3  # 12 MB of fp32 in 5 MB shards
+    mine = {k: v for f in sorted(out.glob("model-*.safetensors")) for k, v in load_file(f).items()}
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model")
+    assert set(theirs) - set(mine) == {"lm_head.weight"}  # tied to embed_tokens: stored once, as transformers does
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    ref = AutoModelForCausalLM.from_config(model.config).eval()
+    ref.load_state_dict(theirs)
+    ids = torch.randint(4, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)

@@ -123,3 +123,27 @@ def test_flags_win_over_malformed_slurm_variables(tmp_path):
              "--dry-run", "--", "train.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) == 2 and "--num_processes 8" in r.stdout
+
+
+@pytest.mark.parametrize("status, requeued", [(0, False), (75, True), (138, True), (143, True), (74, False), (2, False)])
+def test_sbatch_requeues_a_preempted_run_only(tmp_path, status, requeued):
+    """multinode.sbatch's own logic, run by bash: the job step's status decides `scontrol requeue`, and the status is
+    passed on. SLURM is not on this host, so `srun` and `scontrol` are two-line stand-ins on PATH that record their
+    arguments; everything else is the shipped script."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", f'echo "$@" > {tmp_path}/srun.args\nexit {status}'),
+                       ("scontrol", f'echo "$@" > {tmp_path}/scontrol.args')):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    r = subprocess.run(["bash", str(ROOT / "recipes" / "slurm" / "multinode.sbatch"), "cfg.yaml", "train.py", "--resume",
+                        "latest"], capture_output=True, text=True,
+                       env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"})
+    assert r.returncode == status
+    assert (tmp_path / "srun.args").read_text().split() == [
+        "--kill-on-bad-exit=1", "hfscale", "slurm", "--config", "cfg.yaml", "--", "train.py", "--resume", "latest"]
+    assert (tmp_path / "scontrol.args").exists() == requeued
+    if requeued:
+        assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "42"]
+    text = (ROOT / "recipes" / "slurm" / "multinode.sbatch").read_text()
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=USR1@300" in text and "SIGUSR1" in text

@@ -7,7 +7,8 @@ import sys
 
 from ..errors import HfscaleError
 
-SUBCOMMANDS = ("config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo", "experts", "prune", "bench")
+SUBCOMMANDS = ("config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo", "experts", "prune", "bench",
+               "checkpoint")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -106,7 +106,33 @@ def make_accelerator(precision: str | None = None, **kwargs):
             f"accelerate sees {accelerator.num_processes} process(es) ({accelerator.distributed_type}) but "
             f"{launched} were launched; each rank would train alone"
         )
+    end_process_group_at_exit()
     return accelerator
+
+
+def end_process_group(barrier: bool = True) -> None:
+    """Destroy the default process group now, after a barrier (every rank calls it at the end of a run), so no
+    rank leaves while another still talks to it. Idempotent."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def end_process_group_at_exit() -> None:
+    """Destroy the process group at interpreter exit (atexit, while Python is still whole) if the script did not.
+    Left to interpreter finalization, gloo's worker threads can still hold work objects whose tensors reference
+    Python objects; destroying them then takes the GIL of a dying interpreter and the rank dies of SIGABRT
+    ("terminate called without an active exception") after training finished — the exit race of a 2-rank
+    Trainer run (pytorch/pytorch#179291 describes the mechanism). No barrier here: on an error exit the other
+    ranks may be gone. Registered once per process by make_accelerator; a Trainer script calls it itself."""
+    import atexit
+
+    if not getattr(end_process_group_at_exit, "registered", False):
+        atexit.register(end_process_group, barrier=False)
+        end_process_group_at_exit.registered = True
 
 
 def refuse_parallel_on_cpu(environ, deepspeed: bool | None = None) -> None:

@@ -8,6 +8,14 @@ Layout under OUTPUT_DIR/checkpoints/:
 A checkpoint becomes visible only by renaming its stage after every rank has written its shard and
 the marker is on disk, so a kill at any moment leaves the previous checkpoints intact and usable;
 the next run removes the stage of a writer that is gone.
+
+The marker holds the manifest (hfscale.train.manifest: every file's size and xxh3 hash), so it is
+written last and is the commit mark. `--resume latest` checks the newest checkpoint against it on
+every rank and falls back, in one line, to the newest intact one; none intact is one line, exit 2.
+A save that fails (no space, an I/O error) on any rank removes its stage, keeps the previous
+checkpoints, and every rank exits with EXIT_SAVE_FAILED after one line naming the fix.
+  step_00000020.universal/                         DeepSpeed's universal form of step_00000020, made
+                                                  when it is resumed on another rank count (train.reshape)
 """
 
 from __future__ import annotations
@@ -15,12 +23,57 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HfscaleError
+from ..errors import HfscaleError, first_line
 
 MARKER = "hfscale_state.json"
 PREFIX = "step_"
+# exit statuses a scheduler reads (sysexits.h): the save failed (no space, I/O error): fix the disk and resume;
+# stopped by SIGTERM/SIGUSR1 after a checkpoint at the step boundary: requeue and resume
+EXIT_SAVE_FAILED = 74  # EX_IOERR
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL
+
+
+class CheckpointWriteError(HfscaleError):
+    """A checkpoint could not be written; the previous ones are intact. Exit with EXIT_SAVE_FAILED."""
+    status = EXIT_SAVE_FAILED
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run continues from, and the newer ones it passed over as damaged."""
+    path: Path
+    meta: dict
+    skipped: tuple = ()  # ((path, why), ...), newest first
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+    def note(self) -> str | None:
+        if not self.skipped:
+            return None
+        (path, why), more = self.skipped[0], len(self.skipped) - 1
+        return (f"checkpoint {path.name} is damaged ({why}){f' and {more} newer too' if more else ''}; "
+                f"resuming from {self.path.name}, the newest intact one")
+
+
+def damage(path: Path, meta: dict | None = None) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted (its files against the manifest in its marker), or None.
+    A checkpoint from an hfscale that wrote no manifest is trusted as before."""
+    from . import manifest
+
+    if meta is None:
+        try:
+            meta = json.loads((path / MARKER).read_text())
+        except (OSError, ValueError) as e:
+            return f"{MARKER} unreadable: {e}"
+    files = meta.get("files")
+    if files is None:
+        return None
+    return manifest.problem(path, files, exclude=(MARKER,))
 
 
 def model_fingerprint(config) -> dict:
@@ -66,48 +119,151 @@ class Checkpoints:
             shutil.rmtree(d, ignore_errors=True)
         return clean_stale(self.root) + legacy
 
-    def resolve(self, resume: str | None, fingerprint: dict) -> tuple[Path, dict] | None:
-        """The checkpoint to resume from (None for a fresh start), validated against the model."""
+    def resolve(self, resume: str | None, fingerprint: dict, tokens_per_step: int | None = None) -> Resume | None:
+        """The checkpoint to resume from (None for a fresh start), checked against its manifest (every rank
+        does this) and the model. `latest` passes over damaged checkpoints to the newest intact one."""
         if not resume:
             return None
+        skipped = []
         if resume == "latest":
             done = self.complete()
             if not done:
                 return None  # nothing saved yet: `--resume latest` on a first run starts fresh
-            path = done[-1][1]
+            for _, path in reversed(done):
+                why = damage(path)
+                if why is None:
+                    break
+                skipped.append((path, why))
+            else:
+                raise HfscaleError(f"no intact checkpoint under {self.root}: {len(done)} checked, the newest "
+                                   f"{done[-1][1].name}: {skipped[0][1]}; start over with --force or another --output-dir")
         else:
             path = Path(resume)
             if not (path / MARKER).is_file():
                 raise HfscaleError(f"{resume} is not a complete hfscale checkpoint (no {MARKER}); "
                                    f"use --resume latest or a directory under {self.root}")
+            why = damage(path)
+            if why is not None:
+                raise HfscaleError(f"checkpoint {resume} is damaged ({why}); use --resume latest to take the newest "
+                                   "intact one, or another checkpoint")
         meta = json.loads((path / MARKER).read_text())
         if meta.get("model_fingerprint") != fingerprint:
             diff = {k: (meta.get("model_fingerprint", {}).get(k), v) for k, v in fingerprint.items()
                     if meta.get("model_fingerprint", {}).get(k) != v}
             raise HfscaleError(f"checkpoint {path} was saved from a different model ({diff} as saved vs now); "
                                "resume with the same --model or start a new --output-dir")
-        return path, meta
+        saved_tokens = meta.get("tokens_per_step")
+        if tokens_per_step is not None and saved_tokens is not None and saved_tokens != tokens_per_step:
+            # the data position is step x global batch: another global batch would skip or repeat sequences
+            raise HfscaleError(f"checkpoint {path} trained {saved_tokens:,} tokens/step and this run asks for "
+                               f"{tokens_per_step:,}; resume with --global-batch-tokens {saved_tokens} (the rank count "
+                               "may change: accumulation is re-derived)")
+        return Resume(path, meta, tuple(skipped))
+
+    def space_note(self, model, accelerator) -> str | None:
+        """One line if the output directory's file system cannot hold keep_last checkpoints plus the one being
+        written (estimated from the newest checkpoint's manifest, else from the model), else None."""
+        done = self.complete()
+        per = None
+        if done:
+            files = json.loads((done[-1][1] / MARKER).read_text()).get("files")
+            per = sum(v[0] for v in files.values()) if files else None
+        if per is None:  # fp32 weights + two fp32 Adam moments = 12 bytes/param; DeepSpeed adds its module's copy
+            from .reshape import engine_facts
+
+            facts = engine_facts(accelerator)
+            module = 0 if facts["engine"] != "deepspeed" else 2 if facts.get("precision") in ("bf16", "fp16") else 4
+            per = unique_numel(accelerator.unwrap_model(model)) * (12 + module)
+        held = sum(f.stat().st_size for _, d in done[-self.keep_last:] for f in d.rglob("*") if f.is_file())
+        probe = self.root if self.root.exists() else self.root.parent
+        free = shutil.disk_usage(probe).free
+        need = per * (self.keep_last + 1)
+        if free + held >= need:
+            return None
+        return (f"{probe} has {free / 2**20:,.0f} MiB free; keep_last {self.keep_last} checkpoints of ~{per / 2**20:,.0f} MiB "
+                f"plus the one being written need {need / 2**20:,.0f} MiB: free space, lower --keep-last, or choose "
+                "another --output-dir (a save that runs out of space stops the run)")
 
     def save(self, accelerator, step: int, meta: dict) -> Path:
-        """Collective: every rank calls it. Returns the completed checkpoint directory."""
-        from accelerate.utils import broadcast_object_list
+        """Collective: every rank calls it. Returns the completed checkpoint directory, or raises
+        CheckpointWriteError on every rank (stage removed, previous checkpoints kept)."""
+        from accelerate.utils import broadcast_object_list, gather_object
 
-        from ..atomic import begin_stage, commit, write_text_atomic
+        from ..atomic import begin_stage, commit, discard, write_text_atomic
+        from . import manifest
+        from .reshape import engine_facts
 
         final = self.root / f"{PREFIX}{step:08d}"
+        rank, world = accelerator.process_index, accelerator.num_processes
         # the main rank makes the stage; its name (pid-specific) is broadcast, which is also the barrier
-        stage = [str(begin_stage(final, directory=True)) if accelerator.is_main_process else None]
-        stage = Path(broadcast_object_list(stage)[0])
-        accelerator.save_state(str(stage))  # model, optimizer (ZeRO shards per rank), RNG states
-        fault("save", step, accelerator.process_index)
-        accelerator.wait_for_everyone()
+        stage = [None]
         if accelerator.is_main_process:
-            write_text_atomic(stage / MARKER, json.dumps({**meta, "step": step}, indent=1))
-            commit(stage, final)  # replaces an older save of the same step in one swap
-            for _, old in self.complete()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
+            try:
+                stage = [str(begin_stage(final, directory=True))]
+            except HfscaleError as e:
+                stage = [f"error: {e}"]
+        stage = broadcast_object_list(stage)[0]
+        if stage.startswith("error: "):
+            raise CheckpointWriteError(f"checkpoint {final.name}: {stage[7:]}")
+        stage = Path(stage)
+        failed, hashed = None, {}
+        try:
+            accelerator.save_state(str(stage))  # model, optimizer (ZeRO shards per rank), RNG states
+        except (OSError, RuntimeError) as e:  # ENOSPC reaches here as torch's "basic_ios::clear: iostream error"
+            failed = _write_failure(e)
+        fault("save", step, rank)
+        accelerator.wait_for_everyone()  # every rank, failed or not: then all files are written
+        if failed is None:  # every rank hashes a share of the files
+            try:
+                names = manifest.files_of(stage, exclude=(MARKER,))
+                hashed = manifest.hash_files(stage, manifest.share(names, rank, world))
+            except OSError as e:
+                failed = _write_failure(e)
+        reports = gather_object([(failed, hashed)])
+        problems = [(r, f) for r, (f, _) in enumerate(reports) if f]
+        error = None
+        if problems:
+            error = _save_error(final, problems[0][0], problems[0][1], self.complete())
+        elif accelerator.is_main_process:
+            files = {k: v for _, h in reports for k, v in h.items()}
+            try:
+                write_text_atomic(stage / MARKER, json.dumps({**meta, **engine_facts(accelerator), "step": step,
+                                                              "files": files}, indent=1))
+                commit(stage, final)  # replaces an older save of the same step in one swap
+            except (OSError, HfscaleError) as e:
+                error = _save_error(final, 0, first_line(e), self.complete())
+            else:
+                for _, old in self.complete()[: -self.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+                for u in self.root.glob(f"{PREFIX}*.universal"):  # conversions whose checkpoint is gone
+                    if not (self.root / u.name[: -len(".universal")]).is_dir():
+                        shutil.rmtree(u, ignore_errors=True)
+        if accelerator.is_main_process and error is not None:
+            discard(stage)
+        error = broadcast_object_list([error])[0]  # the main rank's verdict: every rank raises or none
+        if error is not None:
+            raise CheckpointWriteError(error)
         return final
+
+def _write_failure(e: BaseException) -> str:
+    """One line for a failed write; inside DeepSpeed's save_checkpoint it also takes the barrier DeepSpeed
+    ends that call with, which this rank skipped, so the ranks' collectives stay matched."""
+    import traceback
+
+    if any(f.name == "save_checkpoint" and "deepspeed" in f.filename for f in traceback.extract_tb(e.__traceback__)):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+    return f"{type(e).__name__}: {first_line(e, 200)}"
+
+
+def _save_error(final: Path, rank: int, what: str, kept: list) -> str:
+    usage = shutil.disk_usage(final.parent if final.parent.exists() else final.parent.parent)
+    prev = f"the previous checkpoint {kept[-1][1].name} is kept" if kept else "no earlier checkpoint exists"
+    return (f"saving checkpoint {final.name} failed on rank {rank} ({what}; {usage.free / 2**20:,.1f} MiB free of "
+            f"{usage.total / 2**20:,.1f} MiB under {final.parent}); free space there or choose another --output-dir, "
+            f"then rerun with --resume latest ({prev})")
 
 
 def unique_numel(model) -> int:

@@ -7,6 +7,7 @@ other layer's once.
     python tests/scripts/ckpt_probe.py WAY PLAN_DIR OUT_DIR
 """
 
+import atexit
 import json
 import os
 import runpy
@@ -28,6 +29,17 @@ def count(module, args, output):  # one global hook: sees the recipe's, Trainer'
 
 
 torch.nn.modules.module.register_module_forward_hook(count)
+
+
+def torn_down():
+    """Registered before anything of hfscale's, so it runs after hfscale's exit teardown (atexit is LIFO): records
+    whether the process group was still alive when interpreter shutdown would begin (the SIGABRT exit race)."""
+    import torch.distributed as dist
+
+    (out / f"{way}_exit_rank{os.environ.get('RANK', '0')}.txt").write_text(str(dist.is_initialized()))
+
+
+atexit.register(torn_down)
 recipe = yaml.safe_load((plan_dir / "recipe.yaml").read_text())
 args_yaml = yaml.safe_load((plan_dir / "training_args.yaml").read_text())
 steps, micro_batches = 1, args_yaml["gradient_accumulation_steps"]
@@ -67,6 +79,9 @@ elif way == "trainer":
         assert args.device.type == "cpu"
         deepspeed.init_distributed(dist_backend="gloo")
         assert deepspeed.comm.get_world_size() == 2
+    from hfscale.scale.runtime import end_process_group_at_exit
+
+    end_process_group_at_exit()  # Trainer leaves the process group to interpreter shutdown: the SIGABRT exit race
     Trainer(model=build_model("tiny-gemma3"), args=args, train_dataset=Blocks()).train()
 else:  # a plain accelerate loop, checkpointing the way the plan's recipe.yaml says
     from hfscale.checkpointing import apply_checkpointing_

@@ -4,23 +4,46 @@
 
 `kill@POINT:STEP:RANK` SIGKILLs rank RANK at POINT ("step": after that optimizer step; "save": after
 it wrote its shard of that step's checkpoint) through hfscale.train.state.FAULT_HOOKS, the test seam
-the step loop and the checkpoint writer call; production code reads no environment for it."""
+the step loop and the checkpoint writer call; production code reads no environment for it.
+`record@DIR` (alone or after a comma) appends every sequence index each rank reads, as
+`{"step", "rank", "world", "idx"}` lines, to DIR/indices.jsonl (the data order the resume tests compare), and
+each rank's exit status to DIR/exit_rank{RANK}.txt (the launcher reports only its own)."""
 
+import json
 import os
 import runpy
 import signal
 import sys
 
+import hfscale.train.batching as batching
 from hfscale.train.state import FAULT_HOOKS
 
 spec, recipe, *args = sys.argv[1:]
+specs = spec.split(",")
 
 
 def kill_at(point, step, rank):
-    if spec == f"kill@{point}:{step}:{rank}":
+    if f"kill@{point}:{step}:{rank}" in specs:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 FAULT_HOOKS.append(kill_at)
+record = next((s[len("record@"):] for s in specs if s.startswith("record@")), None)
+if record:
+    plain = batching.rank_indices
+
+    def recorded(plan, n, seed, step, micro, rank):
+        idx = plain(plan, n, seed, step, micro, rank)
+        with open(os.path.join(record, "indices.jsonl"), "a") as f:  # one short line per append: no interleaving
+            f.write(json.dumps({"step": step + 1, "rank": rank, "world": plan.world, "idx": idx.tolist()}) + "\n")
+        return idx
+
+    batching.rank_indices = recorded  # the step loop imports it from the module at call time
 sys.argv = [recipe, *args]
-runpy.run_path(recipe, run_name="__main__")
+try:
+    runpy.run_path(recipe, run_name="__main__")
+except SystemExit as e:
+    if record:
+        with open(os.path.join(record, f"exit_rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+            f.write(str(e.code if isinstance(e.code, int) else 1))
+    raise
