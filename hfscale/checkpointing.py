@@ -52,11 +52,15 @@ def checkpointed_layers(mode: str, num_layers: int) -> list[int]:
     return list(range(0, num_layers, k))
 
 
-def apply_checkpointing_(model, mode: str) -> list[int]:
-    """Turn checkpointing on the model's decoder layers per `mode`; returns the checkpointed layer indices."""
+def apply_checkpointing_(model, mode: str, launch_checkpoints_all: bool = False) -> list[int]:
+    """Turn checkpointing on the model's decoder layers per `mode`; returns the checkpointed layer indices.
+    `launch_checkpoints_all`: the launch's FSDP2 config checkpoints every layer at `prepare` (see `with_launch`):
+    nothing is applied here and all layers are returned."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if with_launch(resolve(mode, len(layers)), launch_checkpoints_all) != resolve(mode, len(layers)):
+        return list(range(len(layers)))  # accelerate's checkpoint_wrapper on each layer, at prepare
     chosen = checkpointed_layers(mode, len(layers))
     if not chosen:
         if getattr(model, "is_activation_checkpointing", False):
@@ -69,3 +73,17 @@ def apply_checkpointing_(model, mode: str) -> list[int]:
     if actual != chosen:  # transformers counts layers itself; make a disagreement loud
         raise RuntimeError(f"checkpointing landed on layers {actual}, expected {chosen}")
     return actual
+
+
+def with_launch(mode: str, launch_checkpoints_all: bool) -> str:
+    """The mode a run applies itself when its launch config may checkpoint too. FSDP2's
+    `fsdp_activation_checkpointing: true` makes accelerate wrap every decoder layer at `prepare`; applying
+    transformers' checkpointing as well would checkpoint twice, and any other mode would be silently overridden.
+    Returns "off" (accelerate does it) for full, refuses the rest in one line."""
+    if not launch_checkpoints_all:
+        return mode
+    if mode == "full":
+        return "off"
+    raise ConfigError(f"the accelerate config checkpoints every layer (fsdp_activation_checkpointing: true) but checkpointing "
+                      f"is {mode}; use --checkpointing full, or write the config with --checkpointing {mode} "
+                      "(hfscale config fsdp2 --checkpointing ...) so the training code applies it")

@@ -49,18 +49,27 @@ def test_training_arguments_carry_every_n_layers():
     assert "gradient_checkpointing_kwargs" not in training_arguments_kwargs(ScaleSpec("x"))
 
 
-def test_fsdp2_cannot_express_every_k_and_says_so():
+def test_fsdp2_every_k_is_written_for_the_training_code_and_full_for_accelerate():
+    """accelerate's fsdp_activation_checkpointing wraps every layer or none: full goes in the YAML, every:K is applied by
+    the training code (the YAML says how); the 2-process recompute count is in tests/test_engine.py."""
+    from hfscale.scale.accelerate import render_yaml, to_accelerate
     from hfscale.scale.spec import ScaleSpec
 
-    with pytest.raises(ConfigError, match="cannot be expressed for fsdp2"):
-        ScaleSpec("x", engine="fsdp2", gradient_checkpointing="every:2")
-    ScaleSpec("x", engine="fsdp2", gradient_checkpointing="full")  # all-or-nothing is fine
+    every = ScaleSpec("x", engine="fsdp2", gradient_checkpointing="every:2")
+    assert to_accelerate(every)["fsdp_config"]["fsdp_activation_checkpointing"] is False
+    assert "every_n_layers=2" in render_yaml(every, "x.yaml")
+    assert to_accelerate(ScaleSpec("x", engine="fsdp2", gradient_checkpointing="full"))["fsdp_config"][
+        "fsdp_activation_checkpointing"] is True
 
 
-def test_plan_refuses_fsdp2_every_k_on_the_cli(cli, tmp_path):
-    r = cli("config", "fsdp2", "--checkpointing", "every:2", "--out-accelerate", tmp_path, "--out-deepspeed", tmp_path)
-    assert r.returncode == 2 and "cannot be expressed for fsdp2" in r.stderr and "Traceback" not in r.stderr
-    assert not list(tmp_path.iterdir())
+def test_launch_that_checkpoints_every_layer_refuses_another_mode():
+    from hfscale.checkpointing import with_launch
+
+    assert with_launch("every:2", False) == "every:2"
+    assert with_launch("full", True) == "off"  # accelerate wraps every layer at prepare; nothing applied twice
+    for mode in ("every:2", "off"):
+        with pytest.raises(ConfigError, match="fsdp_activation_checkpointing: true"):
+            with_launch(mode, True)
 
 
 # --- end to end: plan --write -> 2 processes, three ways ----------------------------------------
