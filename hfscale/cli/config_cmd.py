@@ -103,6 +103,8 @@ def spec_from_args(args) -> ScaleSpec:
         raise ConfigError(f"{flags} set FSDP2 but the engine is {engine}; start from `hfscale config fsdp2` or drop them")
     if args.num_machines is not None and args.num_machines == 1 and "main_process_ip" not in launch:
         launch["main_process_ip"] = None
+    if engine == "fsdp2" and zero:  # FSDP2 shards parameters, gradients and optimizer states: ZeRO-3's semantics
+        zero.setdefault("stage", 3)
     # dataclasses.replace re-runs __post_init__, so every combination is validated
     z = replace(base.zero, **zero) if zero else base.zero
     lch = replace(base.launch, **launch) if launch else base.launch
