@@ -141,6 +141,13 @@ def enable_fsdp_on_cpu(environ, precision: str | None = None):
         raise HfscaleError("tp_size / cp_size with FSDP2 do not run on a CPU-only host here (accelerate builds the "
                            "mesh for a GPU device); launch FSDP2 without parallelism_config")
     plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* variables, like Accelerator() would
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
+        # fsdp_offload_params: the sharded parameters, gradients and the optimizer step stay on the host as asked;
+        # only pinning (a host-to-accelerator transfer aid) needs an accelerator: torch raises "Cannot access
+        # accelerator device when none is available" in reset_sharded_param without one
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
     mixed = {"fp32": "no"}.get(precision, precision) if precision is not None else None
     state = AcceleratorState(mixed_precision=mixed, cpu=True, fsdp_plugin=plugin, dynamo_plugin=TorchDynamoPlugin(),
                              _from_accelerator=True)
