@@ -43,8 +43,8 @@ STATE_KINDS = ("parameters", "gradients", "optimizer", "master_weights")
 def trace_precision(precision: str, zero: int, engine: str = "auto") -> str:
     """What a planned precision runs as: DDP bf16 (ZeRO-0 when the engine is "auto") is accelerate's
     autocast over fp32 weights; DeepSpeed bf16 keeps bf16 weights and fp32 master weights in the optimizer."""
-    if precision == "bf16":
-        ddp = zero == 0 if engine == "auto" else engine != "deepspeed"
+    if precision == "bf16":  # FSDP2's MixedPrecisionPolicy computes with bf16 copies of its fp32 shards, like DeepSpeed
+        ddp = zero == 0 if engine == "auto" else engine not in ("deepspeed", "fsdp2", "FSDP")
         return "bf16-autocast" if ddp else "bf16"
     return precision
 
@@ -158,14 +158,14 @@ def cached_trace(config, **kw) -> StepTrace:
 def step_prediction(config, micro_batch: int, seq_len: int, precision: str, attention: str = "sdpa",
                     checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, zero: int = 0,
                     dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = "fused",
-                    rank: int | None = None, kernels: str = "cpu") -> dict:
+                    rank: int | None = None, kernels: str = "cpu", reshard_after_forward: bool = True) -> dict:
     """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy.
     engine: "ddp" (torch DDP through accelerate), "deepspeed", or "auto" (ddp at ZeRO-0, else deepspeed).
     adamw: torch AdamW's implementation the run uses (trace.ADAMW; fused is transformers Trainer's default).
     rank: the rank to predict (ZeRO-2's backward differs per rank); None: the highest of all ranks.
     kernels: the attention kernels traced, "cpu" or "cuda" (`kernels.py`)."""
     engine = ("ddp" if zero == 0 else "deepspeed") if engine == "auto" else (
-        "deepspeed" if engine.lower() == "deepspeed" else "ddp")
+        "deepspeed" if engine.lower() == "deepspeed" else "fsdp2" if engine.lower() in ("fsdp", "fsdp2") else "ddp")
     kw = dict(seq_len=seq_len, precision=trace_precision(precision, zero, engine), attention=attention,
               checkpointing=checkpointing, lora_rank=lora_rank, grad_accum=min(grad_accum, 2))
     if adamw != "fused":  # the default stays out of the cache key: traces cached before it existed stay valid
@@ -178,6 +178,12 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
 
         hidden = getattr(config.get_text_config(), "hidden_size", 0) or 0
         steps = {s: deepspeed_phases(tr, zero, dp, offload, hidden, s, grad_accum, adamw, rank) for s in (True, False)}
+    elif engine == "fsdp2":  # FSDP2's rules over the trace (issue 27): hfscale/plan/fsdp.py
+        from .fsdp import fsdp2_phases, fsdp2_units
+
+        units = fsdp2_units(config)
+        steps = {s: fsdp2_phases(tr, units, dp, reshard_after_forward, offload != "none", s, grad_accum, adamw)
+                 for s in (True, False)}
     else:
         steps = {s: {k: dict(v.breakdown) for k, v in tr.phases(s, grad_accum).items()} for s in (True, False)}
         steps = {s: {ph: shard(kinds, zero, dp, offload, tr.largest_module_param_bytes) for ph, kinds in v.items()}
@@ -201,7 +207,7 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     states = {k: v for k, v in tr.phases(True, grad_accum)["optimizer"].breakdown.items() if k in STATE_KINDS}
     if offload == "none":
         out["offloaded_per_rank"] = 0
-    elif engine == "deepspeed":
+    elif engine in ("deepspeed", "fsdp2"):
         out["offloaded_per_rank"] = split_host(steps[True]["optimizer"])[1]
     else:
         out["offloaded_per_rank"] = -(-(states.get("optimizer", 0) + states.get("master_weights", 0)
@@ -209,6 +215,7 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     out["params"], out["trainable_params"] = tr.params, tr.trainable_params
     out["trace"].update(micro_batch=micro_batch, zero=zero, dp=dp, offload=offload, engine=engine, adamw=adamw,
                         sharding=("DeepSpeed's buffers over the traced step (hfscale/plan/zero.py)" if engine == "deepspeed"
+                                  else "FSDP2's units over the traced step (hfscale/plan/fsdp.py)" if engine == "fsdp2"
                                   else "derived from the traced states" if zero or offload != "none" else "none"))
     return out
 
