@@ -32,8 +32,7 @@ def _parse(argv):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--precision", default="launch", choices=PRECISION_CHOICES,
                    help="launch: as the config says; auto: the same but fp32 where this host emulates bf16")
-    p.add_argument("--checkpointing", help="off | full | every:K (default: full where the config's FSDP2 "
-                   "fsdp_activation_checkpointing is on, else off)")
+    p.add_argument("--checkpointing", default="off", help="off | full | every:K (transformers' checkpointing)")
     return p.parse_args(argv)
 
 
@@ -195,8 +194,7 @@ def run(args) -> dict:
 
     # --- model / optimizer: same seed on every rank and in the single-process reference ---
     model = build_model(args.model, seed=0)
-    mode = args.checkpointing or ("full" if launched.fsdp_checkpoints_all else "off")
-    checkpointed = apply_checkpointing_(model, mode, launched.fsdp_checkpoints_all)
+    checkpointed = apply_checkpointing_(model, args.checkpointing, launched.fsdp_checkpoints_all)
     layer_calls = count_layer_forwards(model)
     optimizer = make_optimizer(accelerator, model, lr=args.lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

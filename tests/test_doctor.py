@@ -308,8 +308,7 @@ def fsdp2(**fsdp_config):
 @pytest.mark.parametrize("code, bad, good", [
     ("fsdp2-precision-twice", Setup(accelerate=FSDP2, args={"torch_dtype": "bfloat16"}),
      Setup(accelerate=FSDP2, args={"torch_dtype": "float32"})),
-    ("fsdp2-checkpointing-twice", Setup(accelerate=fsdp2(fsdp_activation_checkpointing=True),
-                                        args={"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"every_n_layers": 2}}),
+    ("fsdp2-accelerate-checkpointing", Setup(accelerate=fsdp2(fsdp_activation_checkpointing=True)),
      Setup(accelerate=FSDP2, args={"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"every_n_layers": 2}})),
 ])
 def test_fsdp2_checks_fire_on_bad_and_not_on_good(code, bad, good):

@@ -56,9 +56,9 @@ def to_accelerate(spec: ScaleSpec, deepspeed_config_file: str | None = None) -> 
         if L.num_machines > 1:
             cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     elif spec.engine == "fsdp2":
-        # accelerate's flag checkpoints every layer (its checkpoint_wrapper) or none: full is written here; every:K is
-        # applied by the training code (transformers' every_n_layers, a comment in the YAML says so)
-        mode, _ = parse_checkpointing(spec.gradient_checkpointing)
+        # accelerate's fsdp_activation_checkpointing (checkpoint_wrapper on every layer) fails on transformers 5's
+        # decoder layers (hfscale.checkpointing.with_launch): checkpointing is applied by the training code, full or
+        # every:K (transformers' every_n_layers; a comment in the YAML says so)
         f = spec.fsdp
         cfg["fsdp_config"] = {
             "fsdp_version": 2,
@@ -69,7 +69,7 @@ def to_accelerate(spec: ScaleSpec, deepspeed_config_file: str | None = None) -> 
             # SHARDED: save_state writes torch.distributed.checkpoint shards (resume on any world size);
             # the recipes' consolidated model/ is gathered either way (get_state_dict)
             "fsdp_state_dict_type": f"{f.state_dict_type}_STATE_DICT",
-            "fsdp_activation_checkpointing": mode == "full",
+            "fsdp_activation_checkpointing": False,
         }
         if f.transformer_layer_cls:
             cfg["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = f.transformer_layer_cls
@@ -130,10 +130,11 @@ def render_yaml(spec: ScaleSpec, yaml_path: str, deepspeed_config_file: str | No
                       f"gradient_accumulation_steps={n}) / TrainingArguments(gradient_accumulation_steps={n}), or export "
                       f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={n}")
     mode, k = parse_checkpointing(spec.gradient_checkpointing)
-    if spec.engine == "fsdp2" and mode == "every":
-        header.append(f"# Checkpointing every:{k}: accelerate's fsdp_activation_checkpointing covers every layer or none, so the "
-                      f"training code applies it: model.activation_checkpointing_enable({{\"use_reentrant\": False}}, "
-                      f"every_n_layers={k}) before accelerator.prepare (hfscale's recipes: --checkpointing every:{k})")
+    if spec.engine == "fsdp2" and mode != "off":
+        header.append(f"# Checkpointing {spec.gradient_checkpointing}: applied by the training code, not by accelerate's "
+                      f"fsdp_activation_checkpointing (its checkpoint_wrapper fails on transformers' decoder layers): "
+                      f"model.activation_checkpointing_enable({{\"use_reentrant\": False}}, every_n_layers={k}) before "
+                      f"accelerator.prepare (hfscale's recipes: --checkpointing {spec.gradient_checkpointing})")
     p = spec.parallel
     if p.sp > 1:
         header.append(f"# Sequence parallel {p.sp} (DeepSpeed Ulysses): load the model with attn_implementation="
