@@ -28,12 +28,14 @@ Backward is walked over the trace's gradient arrivals (`_backward_segment`): the
 the one running; its gradients are unsharded (c bytes) until its reduce-scatter, finished layers hold fp32 shards.
 
 Measured inside both ranks with `hfscale profile` (MemTracker) on the tiny Gemma 3, 2 CPU ranks over gloo, micro 2 x
-128 (benchmarks/results/step_peak.md, FSDP2 rows): the steady and step-1 peaks (backward) within 0.001% with reshard on
-and off, CPU offload (device + host), bf16 and transformers' every:2; the forward phase (not the peak) is
-under-predicted by 2-5%: FSDP2 holds about one logits-sized tensor more at the end of forward than the one-rank trace,
-not yet explained. Not met: accelerate's own fsdp_activation_checkpointing (checkpoint_wrapper), where the peak moves
-into the middle of backward (recompute + reduce-scatter buffers): -8.3%. Not modelled: prefetching of the next unit's
-all-gather (none measured on CPU / gloo) and allocator caching on GPUs.
+128 (benchmarks/results/step_peak.md, FSDP2 rows): the steady and step-1 peaks within 0.001% with reshard on and
+off, CPU offload (device + host), bf16 and every:2 checkpointing, and with 2 micro batches of accumulation (bf16, micro
+4 x 128, benchmarks/results/fsdp2_engines.md: the first micro batch's fp32 gradient shards stay alive). Not met: full checkpointing, -8.3% on the steady
+peak (-11% step 1): with every layer recomputed the peak moves into the middle of backward, where FSDP2 holds a
+recomputed layer's activations beside reduce-scatter buffers that this model does not lay over the trace yet. The
+forward phase (not the peak in any row) is under-predicted by 2-5%: FSDP2 holds about one logits-sized tensor more at
+the end of forward than the one-rank trace, not yet explained. Not modelled: prefetching of the next unit's all-gather
+(none measured on CPU / gloo) and allocator caching on GPUs.
 """
 
 from __future__ import annotations
@@ -163,7 +165,9 @@ def fsdp2_phases(tr: StepTrace, units: FsdpUnits, dp: int, reshard_after_forward
             # the trace's gradients at its backward peak, reduce-scattered into this rank's shard
             kinds[where + "gradient_shards"] = _ceil(k["gradients"], N)
         if phase == "backward" and tr.grad_arrivals and units.param_units:
-            kinds = max((_backward_segment(seg, done, units, N, c, reshard_after_forward, where)
+            # with accumulation the earlier micro batches' reduce-scattered gradients stay as fp32 shards (4P/N)
+            kinds = max(({**_backward_segment(seg, done, units, N, c, reshard_after_forward, where),
+                          **({where + "accumulated_gradient_shards": 4 * _ceil(P, N)} if m else {})}
                          for m, segments in enumerate(tr.grad_arrivals[: 1 if grad_accum == 1 else 2])
                          for done, seg in _walk(segments)), key=lambda x: sum(x.values()))
         out[phase] = {**kinds, **shards, **moments}
