@@ -30,12 +30,12 @@ the one running; its gradients are unsharded (c bytes) until its reduce-scatter,
 Measured inside both ranks with `hfscale profile` (MemTracker) on the tiny Gemma 3, 2 CPU ranks over gloo, micro 2 x
 128 (benchmarks/results/step_peak.md, FSDP2 rows): the steady and step-1 peaks within 0.001% with reshard on and
 off, CPU offload (device + host), bf16 and every:2 checkpointing, and with 2 micro batches of accumulation (bf16, micro
-4 x 128, benchmarks/results/fsdp2_engines.md: the first micro batch's fp32 gradient shards stay alive). Not met: full checkpointing, -8.3% on the steady
-peak (-11% step 1): with every layer recomputed the peak moves into the middle of backward, where FSDP2 holds a
-recomputed layer's activations beside reduce-scatter buffers that this model does not lay over the trace yet. The
+4 x 128, benchmarks/results/fsdp2_engines.md: the first micro batch's fp32 gradient shards stay alive). With full
+checkpointing the peak moves into the middle of backward (a recomputed layer gathered beside the prefetch and
+reduce-scatter buffers): +1.5% steady, +2.1% step 1. The
 forward phase (not the peak in any row) is under-predicted by 2-5%: FSDP2 holds about one logits-sized tensor more at
-the end of forward than the one-rank trace, not yet explained. Not modelled: prefetching of the next unit's all-gather
-(none measured on CPU / gloo) and allocator caching on GPUs.
+the end of forward than the one-rank trace, not yet explained. Not modelled: allocator caching and stream overlap on
+GPUs (the prefetch and reduce-scatter buffers were read from CPU / gloo runs, where collectives are synchronous).
 """
 
 from __future__ import annotations
@@ -133,6 +133,12 @@ def _backward_segment(seg: list, arrived: list[tuple[int, int]], units: FsdpUnit
         gathered += c * sum(n for i, n in enumerate(units.layers) if i not in finished_layers)
     kinds.update({"gathered_parameters": gathered, "unsharded_gradients": c * unsharded,
                   where + "gradient_shards": 4 * _ceil(sharded, N)})
+    if reshard and current >= 0:
+        # during a layer's backward FSDP2 holds two more layer-sized buffers: the next (lower) layer's prefetched
+        # all-gather output and the reduce-scatter input of the layer finished before (freed at the next
+        # reduce-scatter); read from the measured timeline (temporaries +2 layers mid-backward with full checkpointing)
+        kinds["prefetch_all_gather"] = c * units.layers[current - 1] if current >= 1 else 0
+        kinds["reduce_scatter_input"] = c * units.layers[current + 1] if current + 1 in finished_layers else 0
     return kinds
 
 
