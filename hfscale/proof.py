@@ -272,11 +272,28 @@ def run(args) -> dict:
                       base_optimizer_class=type(base).__name__)
 
     # --- a consolidated state dict must be the whole model (ZeRO-3: the 16-bit gather on save) ---
+    batch = blocks[: args.micro_batch]
+    live = _logits(accelerator, model, batch) if report["distributed_type"] == "FSDP" else None
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         report["state_dict_numel"] = sum(v.numel() for v in state.values())
+        if live is not None:  # the consolidated state dict, loaded into a fresh model, gives the live model's logits
+            fresh = build_model(args.model, seed=1)
+            fresh.load_state_dict(state)
+            compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+            fresh = fresh.to(compute) if compute else fresh  # as the MixedPrecisionPolicy casts the shards
+            report["consolidated_max_abs_logit_diff"] = (_logits(accelerator, fresh, batch) - live).abs().max().item()
     accelerator.wait_for_everyone()
     return report
+
+
+def _logits(accelerator, model, batch):
+    """fp32 logits of `model` on `batch` in eval mode, under the run's autocast (collective under FSDP2)."""
+    import torch
+
+    model.eval()
+    with torch.no_grad(), accelerator.autocast():
+        return model(input_ids=batch).logits.float()
 
 
 def main(argv=None) -> int:

@@ -162,7 +162,8 @@ def test_shipped_config_distributes_for_real(name, tmp_path, nvme_config, model_
 def test_fsdp2_from_hfscale_config_shards_trains_and_checkpoints_every_2(tmp_path, cli_module, model_numel):
     """`hfscale config fsdp2 --checkpointing every:2` on 2 processes: accelerate's own FSDP2 path
     (fsdp2_prepare_model -> fully_shard over a cpu mesh, gloo), not an unsharded fallback. One launch asserts
-    the sharding per tensor, the loss against 1 process, the recomputed layers and the consolidated state dict."""
+    the sharding per tensor, the loss against 1 process, the recomputed layers and the consolidated state dict (its
+    size, and its logits after a reload)."""
     full, state_full = model_numel
     r = cli_module("config", "fsdp2", "--num-processes", "2", "--checkpointing", "every:2",
                    "--out-accelerate", tmp_path, "--out-deepspeed", tmp_path)
@@ -187,6 +188,9 @@ def test_fsdp2_from_hfscale_config_shards_trains_and_checkpoints_every_2(tmp_pat
         assert r["optimizer_state_numel_by_key"] == {"exp_avg": full // 2, "exp_avg_sq": full // 2}
         assert r["optimizer_state_devices"] == ["cpu"] and r["base_optimizer_class"] == "AdamW"
     assert reports[0]["state_dict_numel"] == state_full  # get_state_dict gathers the full model on rank 0
+    # that state dict loaded into a fresh model gives the live sharded model's logits: measured 0.0 in fp32, 0.0156
+    # (one bf16 step at |logit| 2-4) in bf16; an untrained or partial model is off by whole units
+    assert reports[0]["consolidated_max_abs_logit_diff"] <= (0.0625 if EXPECTED == "bf16" else 1e-5)
 
 
 def test_fsdp1_on_a_cpu_host_is_refused_in_one_line():
