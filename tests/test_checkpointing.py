@@ -49,6 +49,21 @@ def test_training_arguments_carry_every_n_layers():
     assert "gradient_checkpointing_kwargs" not in training_arguments_kwargs(ScaleSpec("x"))
 
 
+def test_trainer_with_fsdp2_on_a_cpu_host_is_refused_in_one_line(monkeypatch):
+    from hfscale.scale import runtime
+    from hfscale.scale.spec import ScaleSpec
+
+    monkeypatch.setattr(runtime, "cpu_only_host", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # inside a 2-process launch (outside one, a plan is only written)
+    with pytest.raises(ConfigError, match="does not apply FSDP2 on a CPU-only host"):
+        runtime.training_arguments_kwargs(ScaleSpec("x", engine="fsdp2"))
+    monkeypatch.setattr(runtime, "cpu_only_host", lambda: False)  # on GPUs Trainer's accelerate applies it
+    assert runtime.training_arguments_kwargs(ScaleSpec("x", engine="fsdp2"))["bf16"] is True
+    monkeypatch.setattr(runtime, "cpu_only_host", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert runtime.training_arguments_kwargs(ScaleSpec("x", engine="fsdp2"))["use_cpu"] is True
+
+
 def test_fsdp2_checkpointing_is_written_for_the_training_code():
     """accelerate's fsdp_activation_checkpointing fails on transformers' decoder layers (measured with Gemma 3): full and
     every:K are applied by the training code, the YAML says how; the 2-process recompute count is in tests/test_engine.py."""

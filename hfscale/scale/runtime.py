@@ -217,6 +217,17 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
 
     >>> TrainingArguments(output_dir="out", per_device_train_batch_size=4, **training_arguments_kwargs(spec))
     """
+    import os
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # inside a launch (a plan written here is for elsewhere)
+    if spec.engine == "fsdp2" and launched and (cpu_only_host() or spec.launch.use_cpu):
+        from ..errors import ConfigError
+
+        # Trainer builds its own Accelerator(cpu=True): MULTI_CPU, where accelerate never applies FSDP (the trap
+        # make_accelerator works around); every rank would train the whole model
+        raise ConfigError("HF Trainer does not apply FSDP2 on a CPU-only host (its Accelerator trains each rank unsharded); "
+                          "train with recipes/train_clm.py or hfscale.make_accelerator in your own loop, or use a "
+                          "DeepSpeed config with Trainer")
     every = every_n_layers(spec.gradient_checkpointing)
     kw: dict = {
         "bf16": spec.precision == "bf16",
@@ -235,8 +246,6 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
     if cpu_only_host() or spec.launch.use_cpu:
         # Trainer on a CPU host: use_cpu so it accepts bf16 there, and gloo when launched distributed
         # (outside a launch, a ddp_backend makes TrainingArguments try to join a process group)
-        import os
-
         kw["use_cpu"] = True
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             kw["ddp_backend"] = "gloo"
