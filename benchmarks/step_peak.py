@@ -8,8 +8,8 @@
    (`trace.measure_steps`, each row in a fresh process) against `peak.step_prediction` (the plan's path:
    fake-tensor trace, depth-scaled where layers repeat). Steady peak, step-1 peak and every phase.
 2. Two processes under `accelerate launch` (hfscale's shipped DDP and DeepSpeed ZeRO 1/2/3 + offload
-   configs): `hfscale profile` measures inside each rank; the prediction is the same call with zero / dp /
-   offload / engine.
+   configs, and FSDP2 configs from `hfscale config fsdp2`): `hfscale profile` measures inside each rank; the
+   prediction is the same call with zero / dp / offload / engine (FSDP2: hfscale/plan/fsdp.py).
 3. Peers on the rows of 1: accelerate `estimate-memory`'s training estimate and DeepSpeed's
    estimate_zero2_model_states_mem_needs (1 GPU), which count model states only.
 """
@@ -137,29 +137,49 @@ def run_rows() -> list[dict]:
     return out
 
 
+def profile_rows(name: str, config: str, ckpt: str, precision: str, stage: int | None = None) -> list[dict]:
+    """`hfscale profile` of one accelerate config on 2 processes: one row per rank (or one error row)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "hfscale", "profile", "--config", config, "--num-processes", "2", "--steps", "3",
+               "--micro-batch", "2", "--seq-len", "128", "--checkpointing", ckpt, "--precision", precision, "--out", f"{tmp}/p"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if r.returncode:
+            return [{"config": name, "checkpointing": ckpt, "precision": precision,
+                     "error": (r.stderr.strip().splitlines() or ["?"])[-1]}]
+        doc = json.loads(Path(f"{tmp}/p/profile.json").read_text())
+    stage = doc["ranks"][0]["zero"] if stage is None else stage
+    return [{"config": name, "checkpointing": ckpt, "rank": rk["rank"], "world": rk["world"],
+             "precision": rk["precision"], "measured": rk["measured"], "predicted": rk.get("predicted"),
+             "compared": rk.get("compared"), "compared_peak": rk.get("compared_peak"),
+             "error": rk.get("error"), "invisible": rk["invisible_to_tracker"],
+             "peers": zero_peers(stage, "offload" in name, precision)} for rk in doc["ranks"]]
+
+
 def run_zero() -> list[dict]:
     from tqdm import tqdm
 
+    return [row for name, ckpt, precision in tqdm(ZERO_ROWS, desc="2-process configs")
+            for row in profile_rows(name, str(ROOT / "accelerate_configs" / f"{name}.yaml"), ckpt, precision)]
+
+
+# FSDP2 (hfscale config fsdp2 + flags) under 2 processes, as accelerate's fsdp2_prepare_model wraps the model:
+# (row name, hfscale config flags, checkpointing, precision); checkpointing is transformers' (the YAML's
+# fsdp_activation_checkpointing fails on transformers' decoder layers: hfscale.checkpointing.with_launch)
+FSDP_ROWS = [("fsdp2", [], "off", "fp32"), ("fsdp2", [], "off", "bf16"),
+             ("fsdp2 no reshard", ["--no-reshard-after-forward"], "off", "fp32"),
+             ("fsdp2 offload", ["--offload-params", "cpu"], "off", "fp32"), ("fsdp2", [], "every:2", "fp32"),
+             ("fsdp2", [], "full", "fp32")]
+
+
+def run_fsdp() -> list[dict]:
+    from tqdm import tqdm
+
     rows = []
-    for name, ckpt, precision in tqdm(ZERO_ROWS, desc="2-process configs"):
+    for name, flags, ckpt, precision in tqdm(FSDP_ROWS, desc="FSDP2 rows"):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "hfscale", "profile", "--config", str(ROOT / "accelerate_configs" / f"{name}.yaml"),
-                   "--num-processes", "2", "--steps", "3", "--micro-batch", "2", "--seq-len", "128",
-                   "--checkpointing", ckpt, "--precision", precision, "--out", f"{tmp}/p"]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT,
-                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            if r.returncode:
-                rows.append({"config": name, "checkpointing": ckpt, "precision": precision,
-                             "error": (r.stderr.strip().splitlines() or ["?"])[-1]})
-                continue
-            doc = json.loads(Path(f"{tmp}/p/profile.json").read_text())
-        stage = doc["ranks"][0]["zero"]
-        for rk in doc["ranks"]:
-            rows.append({"config": name, "checkpointing": ckpt, "rank": rk["rank"], "world": rk["world"],
-                         "precision": rk["precision"], "measured": rk["measured"], "predicted": rk.get("predicted"),
-                         "compared": rk.get("compared"), "compared_peak": rk.get("compared_peak"),
-                         "error": rk.get("error"), "invisible": rk["invisible_to_tracker"],
-                         "peers": zero_peers(stage, "offload" in name, precision)})
+            subprocess.run([sys.executable, "-m", "hfscale", "config", "fsdp2", "--num-processes", "2", *flags,
+                            "--out-accelerate", tmp, "--out-deepspeed", tmp], check=True, capture_output=True, cwd=ROOT)
+            rows += profile_rows(name, f"{tmp}/fsdp2.yaml", ckpt, precision, stage=3)
     return rows
 
 
@@ -235,7 +255,7 @@ def markdown(res: dict) -> str:
     lines += ["\n## Two processes under `accelerate launch` (shipped configs), measured inside each rank with `hfscale profile`\n",
               "| config | checkpointing | rank | precision | measured steady MiB | predicted (device [+ offloaded]) | err | step 1 measured | err | not seen by MemTracker | accelerate est. | DeepSpeed est. |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for z in res["zero"]:
+    for z in res["zero"] + res.get("fsdp", []):  # FSDP2 rows: hfscale/plan/fsdp.py over the trace
         if "measured" not in z:
             lines.append(f"| {z['config']} | {z['checkpointing']} | error: {z['error'][:100]} ||||||||")
             continue
@@ -254,7 +274,7 @@ def markdown(res: dict) -> str:
         m, p, er = z["measured"], z["predicted"] or {}, z["error"] or {}
         lines.append(f"| {z['config']} | {z['checkpointing']} | {z.get('rank', 0)} | {_mib(m['peak'])} | {_mib(p.get('peak', 0))} | "
                      f"{er.get('peak', float('nan')):+.2%} | {_mib(m['peak_step1'])} | {er.get('peak_step1', float('nan')):+.2%} |")
-    ranked = [z for z in res["zero"] + res.get("recipe", []) if "measured" in z and z.get("error")]
+    ranked = [z for z in res["zero"] + res.get("fsdp", []) + res.get("recipe", []) if "measured" in z and z.get("error")]
     if ranked:
         worst = max(ranked, key=lambda z: abs(z["error"]["peak"]))
         lines.append(f"\nTwo-process rows (both tables): {sum(abs(z['error']['peak']) <= 0.03 for z in ranked)}/{len(ranked)} "
@@ -275,6 +295,7 @@ def main() -> int:
     old = json.loads((OUT / "step_peak.json").read_text()) if only != "all" and (OUT / "step_peak.json").exists() else {}
     res = {"host": host(), "rows": run_rows() if only in ("all", "rows") else old.get("rows", []),
            "zero": run_zero() if only in ("all", "zero") else old.get("zero", []),
+           "fsdp": run_fsdp() if only in ("all", "fsdp") else old.get("fsdp", []),
            "recipe": run_recipe() if only in ("all", "recipe") else old.get("recipe", [])}
     res["seconds"] = time.time() - t0 + (old.get("seconds", 0) if only != "all" else 0)
     write_text_atomic(OUT / "step_peak.json", json.dumps(res, indent=1, default=str))

@@ -57,11 +57,13 @@ def checkpointed_layers(mode: str, num_layers: int) -> list[int]:
     return list(range(0, num_layers, k))
 
 
-def apply_checkpointing_(model, mode: str) -> list[int]:
-    """Turn checkpointing on the model's decoder layers per `mode`; returns the checkpointed layer indices."""
+def apply_checkpointing_(model, mode: str, launch_checkpoints_all: bool = False) -> list[int]:
+    """Turn checkpointing on the model's decoder layers per `mode`; returns the checkpointed layer indices.
+    `launch_checkpoints_all`: the launch's FSDP2 config asks accelerate to checkpoint (refused, see `with_launch`)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    with_launch(resolve(mode, len(layers)), launch_checkpoints_all)
     chosen = checkpointed_layers(mode, len(layers))
     if not chosen:
         if getattr(model, "is_activation_checkpointing", False):
@@ -74,3 +76,17 @@ def apply_checkpointing_(model, mode: str) -> list[int]:
     if actual != chosen:  # transformers counts layers itself; make a disagreement loud
         raise RuntimeError(f"checkpointing landed on layers {actual}, expected {chosen}")
     return actual
+
+
+def with_launch(mode: str, launch_checkpoints_all: bool) -> str:
+    """The mode a run applies itself when its launch config may checkpoint too. FSDP2's
+    `fsdp_activation_checkpointing: true` makes accelerate wrap every decoder layer in torch's checkpoint_wrapper at
+    `prepare`; with transformers 5.24 and accelerate 1.16 that fails in the first forward on Gemma 3 (measured, 2 CPU
+    ranks: "The size of tensor a (128) must match the size of tensor b (64) at non-singleton dimension 3" in eager
+    attention), so such a launch is refused in one line and checkpointing is left to transformers (every layer or
+    every K-th, measured under FSDP2 in tests/test_engine.py). Returns `mode` otherwise."""
+    if not launch_checkpoints_all:
+        return mode
+    raise ConfigError("the accelerate config sets fsdp_activation_checkpointing: true, whose checkpoint_wrapper fails on "
+                      "transformers' decoder layers (measured with Gemma 3); set it to false and checkpoint with "
+                      f"transformers instead (--checkpointing {mode if mode != 'off' else 'full'}; hfscale config fsdp2 writes it so)")

@@ -89,7 +89,7 @@ def run_demo(out: str = "demo_out") -> int:
     out = Path(out)
     t0 = time.time()
     _banner("1. config set (accelerate YAML + DeepSpeed JSON), 2 processes")
-    specs = [PRESETS[n].with_launch(num_processes=2) for n in ("ddp", "zero2", "zero3")]
+    specs = [PRESETS[n].with_launch(num_processes=2) for n in ("ddp", "zero2", "zero3", "fsdp2")]
     # the demo owns demo_out/, so it rewrites its own files on every run
     for p in write_config_sets(specs, out / "accelerate_configs", out / "ds_configs", force=True):
         print(f"  wrote {p}")
@@ -100,21 +100,27 @@ def run_demo(out: str = "demo_out") -> int:
         errors = [f for f in check(accelerate=out / "accelerate_configs" / f"{spec.name}.yaml") if f.severity == "error"]
         print(f"  doctor {spec.name}: {'clean' if not errors else errors}")
 
-    _banner("2. real training on 2 CPU processes (accelerate launch + DeepSpeed over gloo)")
+    _banner("2. real training on 2 CPU processes (accelerate launch + DeepSpeed / FSDP2 over gloo)")
     from .hosts import bf16_support, resolve_precision
 
     # the configs say bf16 (what GPUs run); on this CPU the tiny model runs what it computes natively
     choice = resolve_precision("auto", "bf16", bf16_support("cpu"), what="the tiny model")
     print(f"  {choice.note or 'bf16 is native on this CPU (' + bf16_support('cpu').detail + '): the configs run as written'}")
     rows, facts = [], []
-    for name in ("zero2", "zero3"):
+    for name in ("zero2", "zero3", "fsdp2"):
         cfg = out / "accelerate_configs" / f"{name}.yaml"
         print(f"  {name}: 2 processes, then the 1-process reference ...", flush=True)
         reports = launch(str(cfg), out / "proof" / name, 2, precision="auto")
         ref = launch(str(cfg), out / "proof" / f"{name}_reference", 1, precision="auto")
         rows.append(summarize(name, reports, ref))
         r = reports[0]
-        if r["zero_stage"] == 3:
+        if r["distributed_type"] == "FSDP":
+            facts.append(
+                f"FSDP2: rank 0 holds {r['param_numel_local']:,} of {r['param_numel_full']:,} parameter elements "
+                f"({r['params_sharded_dim0']}/{r['params_total']} tensors DTensor shards of 1/2) and "
+                f"{r['optimizer_state_numel_by_key'].get('exp_avg', 0):,} per Adam moment"
+            )
+        elif r["zero_stage"] == 3:
             facts.append(
                 f"ZeRO-3: rank 0 holds {r['param_numel_local']:,} of {r['param_numel_full']:,} parameter elements "
                 f"({r['params_partitioned_evenly']}/{r['params_total']} tensors cut in half); the consolidated save "

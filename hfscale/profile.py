@@ -59,6 +59,7 @@ class RankProfile:
     phases: list[dict]
     extra: dict = field(default_factory=dict)  # bytes MemTracker cannot see (DDP's buckets), CUDA's numbers
     grad_accum: int = 1
+    reshard_after_forward: bool = True  # FSDP2's setting (the planner models both)
 
     @property
     def peak_step1(self) -> int:
@@ -192,6 +193,13 @@ class MemoryProfiler:
         if engine is not None:
             zc = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
             offload = (zc.get("offload_optimizer") or {}).get("device", "none") or "none"
+        reshard = True
+        fsdp = getattr(accelerator.state, "fsdp_plugin", None) if accelerator.is_fsdp2 else None
+        if fsdp is not None:  # FSDP2: ZeRO-3's semantics, offload as the plugin says
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            zero, reshard = 3, bool(fsdp.reshard_after_forward)
+            offload = "cpu" if isinstance(fsdp.cpu_offload, CPUOffloadPolicy) else "none"
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         extra = dict(self.invisible_seen)
@@ -200,7 +208,7 @@ class MemoryProfiler:
         kind = "deepspeed" if engine is not None else str(accelerator.distributed_type).split(".")[-1]
         return RankProfile(rank, world, "cuda" if self.cuda else "cpu", kind, zero, offload, precision, model_name,
                            micro_batch, seq_len, checkpointing, config_attention(self.model), adamw_impl(optimizer),
-                           self.mt.samples, self.phases, extra, grad_accum)
+                           self.mt.samples, self.phases, extra, grad_accum, reshard)
 
     def dump_cuda_snapshot(self, path: str | os.PathLike) -> str | None:
         """PyTorch's allocator snapshot (open it at https://pytorch.org/memory_viz); None on CPU."""
@@ -292,6 +300,7 @@ def predict(config, r: dict) -> dict:
     try:
         return step_prediction(config, r["micro_batch"], r["seq_len"], precision, r["attention"], r["checkpointing"],
                                grad_accum=r.get("grad_accum", 1), zero=r["zero"], dp=r["world"], offload=r["offload"], engine=r["engine"], adamw=adamw,
+                               reshard_after_forward=r.get("reshard_after_forward", True),
                                rank=r.get("rank"), kernels="cuda" if str(r.get("device", "cpu")).startswith("cuda") else "cpu")
     except HfscaleError as e:
         return {"error": str(e)}
@@ -365,7 +374,7 @@ def run(args) -> RankProfile:
     set_deepspeed_micro_batch(accelerator, args.micro_batch)
     config = load_config(args.model)
     model = build_model(args.model, seed=0)
-    apply_checkpointing_(model, args.checkpointing)
+    apply_checkpointing_(model, args.checkpointing, launched.fsdp_checkpoints_all)
     optimizer = make_optimizer(accelerator, model, lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
     g = torch.Generator().manual_seed(1234)

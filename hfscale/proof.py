@@ -32,7 +32,28 @@ def _parse(argv):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--precision", default="launch", choices=PRECISION_CHOICES,
                    help="launch: as the config says; auto: the same but fp32 where this host emulates bf16")
+    p.add_argument("--checkpointing", default="off", help="off | full | every:K (transformers' checkpointing)")
     return p.parse_args(argv)
+
+
+def count_layer_forwards(model) -> list[int]:
+    """Forward calls of each decoder layer's attention module: transformers checkpoints a layer's `forward` (the
+    layer's own hooks, FSDP2's included, stay outside), so the layer's submodules are what runs again when backward
+    recomputes it: after M micro steps a checkpointed layer reads 2M and an unchecked one M."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    calls = [0] * len(layers)
+
+    def hook(i):
+        def count(module, args):
+            calls[i] += 1
+        return count
+
+    for i, layer in enumerate(layers):
+        inner = getattr(layer, "self_attn", None) or next(layer.children())
+        inner.register_forward_pre_hook(hook(i))
+    return calls
 
 
 def _zero_holdings(engine, model) -> dict:
@@ -87,13 +108,50 @@ def _zero_holdings(engine, model) -> dict:
     return out
 
 
-def _fsdp_holdings(model) -> dict:
-    from torch.distributed.tensor import DTensor
+def _fsdp_holdings(model, optimizer, world: int) -> dict:
+    """What this rank holds under FSDP2: every parameter a DTensor sharded on dim 0 over the world, this rank's
+    local piece the size torch.chunk gives it (ceil(dim0 / world) rows, fewer on the last ranks), and the Adam
+    moments the same shards."""
+    import math
+
+    from torch.distributed.tensor import DTensor, Shard
 
     params = list(model.parameters())
-    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
-    full = sum(p.numel() for p in params)
-    return {"param_numel_full": full, "param_numel_local": local, "dtensor_params": sum(isinstance(p, DTensor) for p in params)}
+    even = 0
+    for p in params:
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        rank = mesh.get_local_rank()
+        rows = p.shape[0]
+        chunk = math.ceil(rows / world)
+        mine = max(0, min(chunk, rows - rank * chunk))  # torch.chunk's split of dim 0
+        local = p.to_local()
+        if (mesh.size() == world and tuple(p.placements) == (Shard(0),) and local.shape[0] == mine
+                and tuple(local.shape[1:]) == tuple(p.shape[1:])):
+            even += 1
+    base = getattr(optimizer, "optimizer", optimizer)
+    per_key: dict[str, int] = {}
+    devices = set()
+    for st in base.state.values():
+        for k, v in st.items():
+            if hasattr(v, "dim") and v.dim() > 0:
+                v_local = v.to_local() if isinstance(v, DTensor) else v
+                per_key[k] = per_key.get(k, 0) + v_local.numel()
+                devices.add(str(v_local.device))
+    return {
+        "param_numel_full": sum(p.numel() for p in params),
+        "param_numel_local": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
+        "params_total": len(params),
+        "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+        "params_sharded_dim0": even,  # DTensor, Shard(0) over a mesh of the world size, this rank's torch.chunk piece
+        "param_dtypes": sorted({str(p.dtype) for p in params}),
+        "param_devices": sorted({str(p.to_local().device if isinstance(p, DTensor) else p.device) for p in params}),
+        "optimizer_state_numel_local": sum(per_key.values()),
+        "optimizer_state_numel_by_key": per_key,
+        "optimizer_state_devices": sorted(devices),
+        "base_optimizer_class": type(base).__name__,
+    }
 
 
 def _nvme_files(path: str | None, rank: int) -> dict:
@@ -109,6 +167,7 @@ def run(args) -> dict:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
+    from .checkpointing import apply_checkpointing_
     from .corpus import load_text, packed_blocks
     from .models import build_model, load_tokenizer
     from .hosts import bf16_support, resolve_precision
@@ -135,6 +194,8 @@ def run(args) -> dict:
 
     # --- model / optimizer: same seed on every rank and in the single-process reference ---
     model = build_model(args.model, seed=0)
+    checkpointed = apply_checkpointing_(model, args.checkpointing, launched.fsdp_checkpoints_all)
+    layer_calls = count_layer_forwards(model)
     optimizer = make_optimizer(accelerator, model, lr=args.lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
@@ -187,6 +248,9 @@ def run(args) -> dict:
     report["sample_indices"] = seen
     report["dataset_size"] = len(blocks)
     report["losses"] = losses
+    report["micro_steps"] = micro
+    report["checkpointed_layers"] = checkpointed
+    report["layer_forward_calls"] = list(layer_calls)
 
     # --- what this rank holds ---
     if engine is not None:
@@ -194,7 +258,7 @@ def run(args) -> dict:
         zc = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         report.update(_nvme_files(zc.get("offload_optimizer", {}).get("nvme_path"), report["torch_rank"]))
     elif report["distributed_type"] == "FSDP":
-        report.update(_fsdp_holdings(model))
+        report.update(_fsdp_holdings(model, optimizer, accelerator.num_processes))
     else:  # DDP: a full replica and a full optimizer state on every rank
         params = list(accelerator.unwrap_model(model).parameters())
         report.update(param_numel_full=sum(p.numel() for p in params), param_numel_local=sum(p.numel() for p in params))
@@ -208,11 +272,28 @@ def run(args) -> dict:
                       base_optimizer_class=type(base).__name__)
 
     # --- a consolidated state dict must be the whole model (ZeRO-3: the 16-bit gather on save) ---
+    batch = blocks[: args.micro_batch]
+    live = _logits(accelerator, model, batch) if report["distributed_type"] == "FSDP" else None
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         report["state_dict_numel"] = sum(v.numel() for v in state.values())
+        if live is not None:  # the consolidated state dict, loaded into a fresh model, gives the live model's logits
+            fresh = build_model(args.model, seed=1)
+            fresh.load_state_dict(state)
+            compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+            fresh = fresh.to(compute) if compute else fresh  # as the MixedPrecisionPolicy casts the shards
+            report["consolidated_max_abs_logit_diff"] = (_logits(accelerator, fresh, batch) - live).abs().max().item()
     accelerator.wait_for_everyone()
     return report
+
+
+def _logits(accelerator, model, batch):
+    """fp32 logits of `model` on `batch` in eval mode, under the run's autocast (collective under FSDP2)."""
+    import torch
+
+    model.eval()
+    with torch.no_grad(), accelerator.autocast():
+        return model(input_ids=batch).logits.float()
 
 
 def main(argv=None) -> int:

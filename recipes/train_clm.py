@@ -111,7 +111,7 @@ def train(cfg, force, pre, parallel) -> int:
         model.config._attn_implementation = parallel.sp_attention
         if parallel.sp_attention == "sdpa":
             use_window_sdpa()
-    layers = apply_checkpointing_(model, cfg.checkpointing)
+    layers = apply_checkpointing_(model, cfg.checkpointing, pre.launch.fsdp_checkpoints_all)
     optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     if parallel.sp > 1:

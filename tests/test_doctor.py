@@ -294,3 +294,45 @@ def test_nan_and_infinity_in_a_json_are_errors(tmp_path, cli):
     assert r.returncode == 1
     found = {x["where"] for x in json.loads(r.stdout) if x["code"] == "non-finite-number"}
     assert found == {f"{f}:gradient_clipping", f"{f}:zero_optimization.reduce_bucket_size"}
+
+
+# --- FSDP2 traps (hfscale/doctor/fsdp.py) ------------------------------------------------------------
+
+FSDP2 = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text())
+
+
+def fsdp2(**fsdp_config):
+    return {**FSDP2, "fsdp_config": {**FSDP2["fsdp_config"], **fsdp_config}}
+
+
+@pytest.mark.parametrize("code, bad, good", [
+    ("fsdp2-precision-twice", Setup(accelerate=FSDP2, args={"torch_dtype": "bfloat16"}),
+     Setup(accelerate=FSDP2, args={"torch_dtype": "float32"})),
+    ("fsdp2-accelerate-checkpointing", Setup(accelerate=fsdp2(fsdp_activation_checkpointing=True)),
+     Setup(accelerate=FSDP2, args={"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"every_n_layers": 2}})),
+])
+def test_fsdp2_checks_fire_on_bad_and_not_on_good(code, bad, good):
+    assert code in codes(bad) and code not in codes(good), check_setup(bad)
+
+
+def test_fsdp2_wrap_class_names_the_models_layer():
+    from hfscale.models import load_config
+
+    cfg = load_config("tiny-gemma3")
+    bad = [f for f in check_setup(Setup(accelerate=fsdp2(fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer"),
+                                        model_config=cfg, model_name="tiny-gemma3")) if f.code == "fsdp2-wrap-class"]
+    assert len(bad) == 1 and "LlamaDecoderLayer" in bad[0].what and "Gemma3DecoderLayer" in bad[0].fix
+    good = Setup(accelerate=fsdp2(fsdp_transformer_layer_cls_to_wrap="Gemma3DecoderLayer"), model_config=cfg)
+    assert "fsdp2-wrap-class" not in codes(good)
+
+
+def test_fsdp2_traps_of_accelerate_before_1_13(monkeypatch):
+    """accelerate #3971 (sharded optimizer resume) and #3844 (LoRA upcast), both fixed in 1.13: flagged by version."""
+    from hfscale.doctor import fsdp
+
+    lora = {"use_peft": True, "bf16": True}
+    monkeypatch.setattr(fsdp, "accelerate_version", lambda: (1, 12))
+    assert {"fsdp2-sharded-optimizer-resume", "fsdp2-lora-upcast"} <= codes(Setup(accelerate=FSDP2, args=lora))
+    assert "fsdp2-sharded-optimizer-resume" not in codes(Setup(accelerate=fsdp2(fsdp_state_dict_type="FULL_STATE_DICT")))
+    monkeypatch.setattr(fsdp, "accelerate_version", lambda: (1, 16))  # installed here: resume measured bit-identical
+    assert not {"fsdp2-sharded-optimizer-resume", "fsdp2-lora-upcast"} & codes(Setup(accelerate=FSDP2, args=lora))

@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..errors import ConfigError
 from ..scale.load import load_spec
 from ..scale.presets import PRESETS
-from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, SP_ATTENTION, ZERO_STAGES, ScaleSpec
+from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, SP_ATTENTION, STATE_DICT_TYPES, ZERO_STAGES, ScaleSpec
 
 EXAMPLES = """examples:
   hfscale config zero3                                   # accelerate_configs/zero3.yaml + ds_configs/zero3.json
@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   hfscale config --spec my_setup.yaml --out-accelerate cfg --out-deepspeed cfg
   hfscale config zero3 --name z3_sp4 --sp 4 --num-processes 8 --model gemma-3-27b   # Ulysses SP, heads checked
   hfscale config fsdp2 --name fsdp2_tp4 --tp 4 --num-processes 8
+  hfscale config fsdp2 --name fsdp2_keep --no-reshard-after-forward --checkpointing every:2 --state-dict FULL
   hfscale config --all --force                           # regenerate every shipped file
 
 exit codes: 0 written, 2 invalid combination (one line naming the fix; nothing written)
@@ -56,6 +57,11 @@ def add_parser(sub):
     p.add_argument("--tp", type=int, help="tensor parallel size (transformers tp_plan; engine ddp or fsdp2)")
     p.add_argument("--cp", type=int, help="context parallel size (torch, engine fsdp2)")
     p.add_argument("--sp-attention", choices=SP_ATTENTION, help="attention kernel under SP (default sdpa)")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="fsdp2: free each unit's gathered parameters after its forward (default: on)")
+    p.add_argument("--state-dict", choices=STATE_DICT_TYPES, help="fsdp2 checkpoints: SHARDED (torch.distributed.checkpoint, "
+                   "resumes on another world size; default) or FULL (gathered on rank 0)")
+    p.add_argument("--wrap-class", help="fsdp2: the layer class wrapped as one unit (default: the model's _no_split_modules)")
     p.add_argument("--model", help="check sp / tp / cp against this model's heads (built-in name, config.json or directory)")
     p.add_argument("--out-accelerate", default="accelerate_configs", help="directory for the YAML, created if missing (default: %(default)s)")
     p.add_argument("--out-deepspeed", default="ds_configs", help="directory for the JSON, created if missing (default: %(default)s)")
@@ -67,6 +73,7 @@ def add_parser(sub):
 ZERO_FLAGS = {"zero": "stage", "offload_optimizer": "offload_optimizer", "offload_params": "offload_params", "nvme_path": "nvme_path"}
 LAUNCH_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
 PARALLEL_FLAGS = {"sp": "sp", "tp": "tp", "cp": "cp", "sp_attention": "sp_attention"}
+FSDP_FLAGS = {"reshard_after_forward": "reshard_after_forward", "state_dict": "state_dict_type", "wrap_class": "transformer_layer_cls"}
 TOP_FLAGS = {"engine": "engine", "precision": "precision", "grad_accum": "gradient_accumulation_steps", "clip": "gradient_clipping", "checkpointing": "gradient_checkpointing", "name": "name"}
 
 
@@ -90,13 +97,20 @@ def spec_from_args(args) -> ScaleSpec:
         raise ConfigError(f"{src} is a DeepSpeed ZeRO-{base.zero.stage} config and --engine {args.engine} would drop "
                           f"its ZeRO settings; start from `hfscale config {args.engine}` instead")
     par = {f: getattr(args, a) for a, f in PARALLEL_FLAGS.items() if getattr(args, a) is not None}
+    fsdp = {f: getattr(args, a) for a, f in FSDP_FLAGS.items() if getattr(args, a, None) is not None}
+    if fsdp and engine != "fsdp2":
+        flags = ", ".join("--" + a.replace("_", "-") for a, f in FSDP_FLAGS.items() if f in fsdp)
+        raise ConfigError(f"{flags} set FSDP2 but the engine is {engine}; start from `hfscale config fsdp2` or drop them")
     if args.num_machines is not None and args.num_machines == 1 and "main_process_ip" not in launch:
         launch["main_process_ip"] = None
+    if engine == "fsdp2" and zero:  # FSDP2 shards parameters, gradients and optimizer states: ZeRO-3's semantics
+        zero.setdefault("stage", 3)
     # dataclasses.replace re-runs __post_init__, so every combination is validated
     z = replace(base.zero, **zero) if zero else base.zero
     lch = replace(base.launch, **launch) if launch else base.launch
     pl = replace(base.parallel, **par) if par else base.parallel
-    return replace(base, zero=z, launch=lch, parallel=pl, **top)
+    fs = replace(base.fsdp, **fsdp) if fsdp else base.fsdp
+    return replace(base, zero=z, launch=lch, parallel=pl, fsdp=fs, **top)
 
 
 def run(args) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .checks import CHECKS
 from . import parallel as _parallel  # noqa: F401,E402  (registers the N-D parallelism checks)
+from . import fsdp as _fsdp  # noqa: F401,E402  (registers the FSDP2 checks)
 from .findings import Finding, render_table
 from .inputs import Setup, load_setup
 

@@ -386,7 +386,8 @@ ACC_DS_KEYS = {"deepspeed_config_file", "zero3_init_flag", "deepspeed_hostfile",
 RECIPE_KEYS = {"model", "model_name_or_path", "data", "dataset", "validation", "seq_len", "global_batch_tokens",
                "qat", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit",
                "load_in_8bit", "bnb_4bit_quant_storage", "bnb_4bit_quant_type", "quantization_config",
-               "checkpointing", "resume", "keep_last", "eval_every", "save_every", "attn_implementation", "sp_window_sdpa"}
+               "checkpointing", "resume", "keep_last", "eval_every", "save_every", "attn_implementation", "sp_window_sdpa",
+               "torch_dtype", "dtype"}  # the dtype the model is loaded in (from_pretrained)
 
 
 # spelling suggestions cost ~0.3 ms per key (difflib against every known key): given for this many

@@ -371,9 +371,10 @@ def _lora_states(d: Dims, s: Strategy) -> dict:
 def runs_as(precision: str, zero: int, engine: str = "auto") -> str:
     """What a planned precision runs as, the one place this is decided (the trace and the analytic states both
     follow it): bf16 under DDP (ZeRO-0 when the engine is "auto") is accelerate's autocast over fp32 weights, as
-    the written accelerate config runs it; under DeepSpeed bf16 weights with fp32 master weights."""
+    the written accelerate config runs it; under DeepSpeed bf16 weights with fp32 master weights, and under FSDP2
+    (MixedPrecisionPolicy) bf16 copies of its fp32 shards, traced like DeepSpeed's."""
     if precision == "bf16":
-        ddp = zero == 0 if engine == "auto" else engine != "deepspeed"
+        ddp = zero == 0 if engine == "auto" else engine.lower() not in ("deepspeed", "fsdp2", "fsdp")
         return "bf16-autocast" if ddp else "bf16"
     return precision
 

@@ -150,14 +150,14 @@ def cached_trace(config, **kw) -> StepTrace:
 def step_prediction(config, micro_batch: int, seq_len: int, precision: str, attention: str = "sdpa",
                     checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, zero: int = 0,
                     dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = "fused",
-                    rank: int | None = None, kernels: str = "cpu") -> dict:
+                    rank: int | None = None, kernels: str = "cpu", reshard_after_forward: bool = True) -> dict:
     """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy.
     engine: "ddp" (torch DDP through accelerate), "deepspeed", or "auto" (ddp at ZeRO-0, else deepspeed).
     adamw: torch AdamW's implementation the run uses (trace.ADAMW; fused is transformers Trainer's default).
     rank: the rank to predict (ZeRO-2's backward differs per rank); None: the highest of all ranks.
     kernels: the attention kernels traced, "cpu" or "cuda" (`kernels.py`)."""
     engine = ("ddp" if zero == 0 else "deepspeed") if engine == "auto" else (
-        "deepspeed" if engine.lower() == "deepspeed" else "ddp")
+        "deepspeed" if engine.lower() == "deepspeed" else "fsdp2" if engine.lower() in ("fsdp", "fsdp2") else "ddp")
     kw = dict(seq_len=seq_len, precision=trace_precision(precision, zero, engine), attention=attention,
               checkpointing=checkpointing, lora_rank=lora_rank, grad_accum=min(grad_accum, 2))
     if adamw != "fused":  # the default stays out of the cache key: traces cached before it existed stay valid
@@ -170,6 +170,12 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
 
         hidden = getattr(config.get_text_config(), "hidden_size", 0) or 0
         steps = {s: deepspeed_phases(tr, zero, dp, offload, hidden, s, grad_accum, adamw, rank) for s in (True, False)}
+    elif engine == "fsdp2":  # FSDP2's rules over the trace (issue 27): hfscale/plan/fsdp.py
+        from .fsdp import fsdp2_phases, fsdp2_units
+
+        units = fsdp2_units(config)
+        steps = {s: fsdp2_phases(tr, units, dp, reshard_after_forward, offload != "none", s, grad_accum, adamw)
+                 for s in (True, False)}
     else:
         if zero or offload != "none":
             raise ValueError("ZeRO stages and offload are DeepSpeed's: predict them with engine='deepspeed'")
@@ -197,6 +203,7 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     out["params"], out["trainable_params"] = tr.params, tr.trainable_params
     out["trace"].update(micro_batch=micro_batch, zero=zero, dp=dp, offload=offload, engine=engine, adamw=adamw,
                         sharding=("DeepSpeed's buffers over the traced step (hfscale/plan/zero.py)" if engine == "deepspeed"
+                                  else "FSDP2's units over the traced step (hfscale/plan/fsdp.py)" if engine == "fsdp2"
                                   else "none"))
     return out
 

@@ -56,17 +56,23 @@ def to_accelerate(spec: ScaleSpec, deepspeed_config_file: str | None = None) -> 
         if L.num_machines > 1:
             cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     elif spec.engine == "fsdp2":
-        # ScaleSpec refuses every:K with fsdp2: accelerate's flag checkpoints every layer or none
-        mode, _ = parse_checkpointing(spec.gradient_checkpointing)
+        # accelerate's fsdp_activation_checkpointing (checkpoint_wrapper on every layer) fails on transformers 5's
+        # decoder layers (hfscale.checkpointing.with_launch): checkpointing is applied by the training code, full or
+        # every:K (transformers' every_n_layers; a comment in the YAML says so)
+        f = spec.fsdp
         cfg["fsdp_config"] = {
             "fsdp_version": 2,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # wrap each decoder layer (model._no_split_modules)
-            "fsdp_reshard_after_forward": True,  # ZeRO-3-like: free gathered params after each layer's forward
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # one unit per decoder layer
+            "fsdp_reshard_after_forward": f.reshard_after_forward,  # True: free gathered params after each unit's forward
             "fsdp_offload_params": spec.zero.offload_params == "cpu",
             "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_state_dict_type": "FULL_STATE_DICT",  # a consolidated save that from_pretrained loads
-            "fsdp_activation_checkpointing": mode == "full",
+            # SHARDED: save_state writes torch.distributed.checkpoint shards (resume on any world size);
+            # the recipes' consolidated model/ is gathered either way (get_state_dict)
+            "fsdp_state_dict_type": f"{f.state_dict_type}_STATE_DICT",
+            "fsdp_activation_checkpointing": False,
         }
+        if f.transformer_layer_cls:
+            cfg["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = f.transformer_layer_cls
     block = parallelism_block(spec)
     if block:
         cfg["parallelism_config"] = block
@@ -123,6 +129,12 @@ def render_yaml(spec: ScaleSpec, yaml_path: str, deepspeed_config_file: str | No
         header.append(f"# Gradient accumulation {n}: accelerate's config file has no key for it; pass Accelerator("
                       f"gradient_accumulation_steps={n}) / TrainingArguments(gradient_accumulation_steps={n}), or export "
                       f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={n}")
+    mode, k = parse_checkpointing(spec.gradient_checkpointing)
+    if spec.engine == "fsdp2" and mode != "off":
+        header.append(f"# Checkpointing {spec.gradient_checkpointing}: applied by the training code, not by accelerate's "
+                      f"fsdp_activation_checkpointing (its checkpoint_wrapper fails on transformers' decoder layers): "
+                      f"model.activation_checkpointing_enable({{\"use_reentrant\": False}}, every_n_layers={k}) before "
+                      f"accelerator.prepare (hfscale's recipes: --checkpointing {spec.gradient_checkpointing})")
     p = spec.parallel
     if p.sp > 1:
         header.append(f"# Sequence parallel {p.sp} (DeepSpeed Ulysses): load the model with attn_implementation="

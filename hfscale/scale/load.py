@@ -10,9 +10,9 @@ from pathlib import Path
 import yaml
 
 from ..errors import ConfigError, HfscaleError, first_line
-from .spec import Aio, Launch, Parallel, ScaleSpec, Zero
+from .spec import Aio, Fsdp, Launch, Parallel, ScaleSpec, Zero
 
-_NESTED = {"zero": Zero, "launch": Launch, "aio": Aio, "parallel": Parallel}
+_NESTED = {"zero": Zero, "launch": Launch, "aio": Aio, "parallel": Parallel, "fsdp": Fsdp}
 
 
 def _build(cls, data, where: str):

@@ -20,6 +20,7 @@ class LaunchView:
     deepspeed: dict | None  # that JSON as the user wrote it
     precision: str  # what the launch config says: bf16 | fp16 | fp32
     on_cpu: bool
+    fsdp_checkpoints_all: bool = False  # FSDP with fsdp_activation_checkpointing: accelerate wraps every layer at prepare
 
 
 def read_launch(environ) -> LaunchView:
@@ -41,7 +42,9 @@ def read_launch(environ) -> LaunchView:
     if precision not in ("bf16", "fp16", "fp32"):
         precision = "fp32"
     on_cpu = environ.get("ACCELERATE_USE_CPU", "false").lower() == "true" or not torch.cuda.is_available()
-    return LaunchView(world, ds_file, ds, precision, on_cpu)
+    fsdp_ac = (environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+               and environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true")
+    return LaunchView(world, ds_file, ds, precision, on_cpu, fsdp_ac)
 
 
 def cpu_only_host() -> bool:
@@ -62,8 +65,11 @@ def make_accelerator(precision: str | None = None, **kwargs):
                  alone -> fixed by InitProcessGroupKwargs(backend="gloo").
       DDP:       accelerate picks distributed_type NO, never wraps DDP and never syncs gradients
                  -> fixed by cpu=True (MULTI_CPU over gloo).
-      FSDP:      accelerate applies FSDP only to GPU-like backends and silently falls back to
-                 unsharded training -> refused here with the alternative.
+      FSDP:      accelerate switches to DistributedType.FSDP only for GPU-like MULTI_* types and
+                 silently trains unsharded under MULTI_CPU -> FSDP2: the state is built as MULTI_CPU
+                 (gloo, device cpu) and then switched exactly as accelerate's own switch does
+                 (`enable_fsdp_on_cpu`), so prepare / save_state / get_state_dict run accelerate's
+                 FSDP2 code (fsdp2_prepare_model, torch.distributed.checkpoint). FSDP1 is refused.
     Afterwards it checks that accelerate sees the world the launcher started, so a rank can never
     quietly train alone.
     """
@@ -78,13 +84,17 @@ def make_accelerator(precision: str | None = None, **kwargs):
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     handlers = list(kwargs.pop("kwargs_handlers", None) or [])
-    if cpu_only_host() and launched > 1:
+    if cpu_only_host() and fsdp and not deepspeed and "LOCAL_RANK" in os.environ:
+        # launched (torchrun / accelerate launch), also as 1 process: a mesh of 1 runs the same FSDP2 code, so a
+        # sharded checkpoint of N ranks resumes here through torch.distributed.checkpoint
+        refuse_parallel_on_cpu(os.environ, deepspeed)
+        enable_fsdp_on_cpu(os.environ, precision)
+        kwargs.setdefault("cpu", True)
+    elif cpu_only_host() and launched > 1:
         refuse_parallel_on_cpu(os.environ, deepspeed)
         if fsdp:
-            raise HfscaleError(
-                "accelerate does not apply FSDP on a CPU-only host (each rank would train unsharded); "
-                "use a DeepSpeed ZeRO-3 config here (accelerate_configs/zero3.yaml), FSDP2 on GPUs"
-            )
+            raise HfscaleError("FSDP on a CPU-only host runs under a launcher that sets LOCAL_RANK; start it with "
+                               "accelerate launch --config_file YOUR_FSDP2.yaml")
         if deepspeed:
             if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
                 handlers.append(InitProcessGroupKwargs(backend="gloo"))
@@ -133,6 +143,48 @@ def end_process_group_at_exit() -> None:
     if not getattr(end_process_group_at_exit, "registered", False):
         atexit.register(end_process_group, barrier=False)
         end_process_group_at_exit.registered = True
+def enable_fsdp_on_cpu(environ, precision: str | None = None):
+    """Build accelerate's state for an FSDP2 launch on a CPU-only host, before `Accelerator()`.
+
+    accelerate 1.16 (state.py, AcceleratorState.__init__) sets `distributed_type = FSDP`, stores the plugin and
+    applies mixed precision to it only when the type is MULTI_GPU/NPU/XPU/...; under MULTI_CPU (gloo) it skips
+    that branch and the model is never sharded. Here the state is first built as MULTI_CPU (gloo process
+    group, device cpu) and then those three steps are done as accelerate does them; `Accelerator()` then finds
+    the state initialised and every FSDP2 path of accelerate runs as on GPUs (fully_shard over a cpu mesh,
+    DTensor parameters, torch.distributed.checkpoint). Returns the AcceleratorState."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
+    from ..errors import HfscaleError
+
+    version = str(environ.get("FSDP_VERSION", "1"))
+    if version != "2":
+        raise HfscaleError(f"FSDP version {version} does not run on a CPU-only host (FSDP1 needs CUDA); set "
+                           "fsdp_config.fsdp_version: 2 (hfscale config fsdp2)")
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        raise HfscaleError("tp_size / cp_size with FSDP2 do not run on a CPU-only host here (accelerate builds the "
+                           "mesh for a GPU device); launch FSDP2 without parallelism_config")
+    plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* variables, like Accelerator() would
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
+        # fsdp_offload_params: the sharded parameters, gradients and the optimizer step stay on the host as asked;
+        # only pinning (a host-to-accelerator transfer aid) needs an accelerator: torch raises "Cannot access
+        # accelerator device when none is available" in reset_sharded_param without one
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+    mixed = {"fp32": "no"}.get(precision, precision) if precision is not None else None
+    state = AcceleratorState(mixed_precision=mixed, cpu=True, fsdp_plugin=plugin, dynamo_plugin=TorchDynamoPlugin(),
+                             _from_accelerator=True)
+    if state.distributed_type != DistributedType.MULTI_CPU or state.backend != "gloo":
+        raise RuntimeError(f"expected a MULTI_CPU gloo state before switching to FSDP, got {state.distributed_type} "
+                           f"{state.backend}")
+    # accelerate's own switch (state.py, the MULTI_* branch): type, plugin, mixed precision on the plugin
+    state.distributed_type = DistributedType.FSDP
+    if state._mixed_precision != "no":
+        plugin.set_mixed_precision(state._mixed_precision)
+    state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return state
 
 
 def refuse_parallel_on_cpu(environ, deepspeed: bool | None = None) -> None:
@@ -189,6 +241,17 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
 
     >>> TrainingArguments(output_dir="out", per_device_train_batch_size=4, **training_arguments_kwargs(spec))
     """
+    import os
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # inside a launch (a plan written here is for elsewhere)
+    if spec.engine == "fsdp2" and launched and (cpu_only_host() or spec.launch.use_cpu):
+        from ..errors import ConfigError
+
+        # Trainer builds its own Accelerator(cpu=True): MULTI_CPU, where accelerate never applies FSDP (the trap
+        # make_accelerator works around); every rank would train the whole model
+        raise ConfigError("HF Trainer does not apply FSDP2 on a CPU-only host (its Accelerator trains each rank unsharded); "
+                          "train with recipes/train_clm.py or hfscale.make_accelerator in your own loop, or use a "
+                          "DeepSpeed config with Trainer")
     every = every_n_layers(spec.gradient_checkpointing)
     kw: dict = {
         "bf16": spec.precision == "bf16",
@@ -207,8 +270,6 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
     if cpu_only_host() or spec.launch.use_cpu:
         # Trainer on a CPU host: use_cpu so it accepts bf16 there, and gloo when launched distributed
         # (outside a launch, a ddp_backend makes TrainingArguments try to join a process group)
-        import os
-
         kw["use_cpu"] = True
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             kw["ddp_backend"] = "gloo"

@@ -91,6 +91,29 @@ class Zero:
         return "nvme" in (self.offload_optimizer, self.offload_params)
 
 
+STATE_DICT_TYPES = ("SHARDED", "FULL")
+
+
+@dataclass(frozen=True)
+class Fsdp:
+    """FSDP2 settings accelerate's FullyShardedDataParallelPlugin reads (fsdp_* keys of the YAML). Parameter
+    offload is `Zero.offload_params: cpu` (one flag for both engines); checkpointing is the spec's own."""
+
+    reshard_after_forward: bool = True  # free each unit's gathered parameters after its forward (ZeRO-3-like)
+    state_dict_type: str = "SHARDED"  # save_state: SHARDED (torch.distributed.checkpoint, reshardable) | FULL (rank 0)
+    transformer_layer_cls: str | None = None  # the class wrapped as one unit; None: the model's _no_split_modules
+
+    def __post_init__(self):
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ConfigError(f"fsdp.reshard_after_forward must be true or false (got {self.reshard_after_forward!r})")
+        if self.state_dict_type not in STATE_DICT_TYPES:
+            raise ConfigError(f"fsdp.state_dict_type must be one of {', '.join(STATE_DICT_TYPES)} (got "
+                              f"{self.state_dict_type!r}); SHARDED resumes on another world size")
+        cls = self.transformer_layer_cls
+        if cls is not None and (not isinstance(cls, str) or not cls.isidentifier()):
+            raise ConfigError(f"fsdp.transformer_layer_cls must be a class name such as Gemma3DecoderLayer (got {cls!r})")
+
+
 @dataclass(frozen=True)
 class Launch:
     """Where the processes run: accelerate's launcher fields."""
@@ -173,6 +196,7 @@ class ScaleSpec:
     gradient_checkpointing: str = "off"  # off | full | every:K
     launch: Launch = field(default_factory=Launch)
     parallel: Parallel = field(default_factory=Parallel)
+    fsdp: Fsdp = field(default_factory=Fsdp)
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "_-." for c in self.name):
@@ -186,11 +210,9 @@ class ScaleSpec:
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
             # NaN / inf would be written as NaN / Infinity: not JSON, and every update NaN
             raise ConfigError(f"gradient_clipping must be a finite number >= 0, 0 meaning off (got {clip!r})")
-        if parse_checkpointing(self.gradient_checkpointing)[1] > 1 and self.engine == "fsdp2":
-            raise ConfigError(
-                f"gradient checkpointing {self.gradient_checkpointing} cannot be expressed for fsdp2: accelerate's "
-                "fsdp_activation_checkpointing checkpoints every layer or none; use full or off, or engine deepspeed / ddp"
-            )
+        parse_checkpointing(self.gradient_checkpointing)
+        if self.engine != "fsdp2" and self.fsdp != Fsdp():
+            raise ConfigError(f"fsdp settings apply to engine fsdp2 (got engine {self.engine}); use --engine fsdp2 or drop them")
         if self.engine != "deepspeed":
             z = self.zero
             if z.offload_optimizer != "none" or z.uses_nvme:

@@ -80,6 +80,10 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     if resume is None and not force and (ckpts.complete() or (out / "model").exists()):
         raise HfscaleError(f"{out} already holds a run; pass --resume latest to continue it, --force to start over, "
                            "or another --output-dir")
+    from ..checkpointing import resolve, with_launch
+
+    n_layers = getattr(getattr(model_config, "text_config", None) or model_config, "num_hidden_layers", 1)
+    with_launch(resolve(cfg.checkpointing, n_layers), launch.fsdp_checkpoints_all)  # refused here, before any process group
     support = bf16_support("cpu" if launch.on_cpu else "cuda")
     precision = resolve_precision(cfg.precision, launch.precision, support, what=cfg.model)
     if cfg.doctor:

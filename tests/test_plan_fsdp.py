@@ -1,0 +1,54 @@
+"""hfscale/plan/fsdp.py: FSDP2's units as accelerate wraps the model, and the per-rank bytes laid over the one-rank
+trace. The 2-process measurements these formulas are held to are in benchmarks/results/step_peak.md (FSDP2 rows)."""
+
+from hfscale.models import load_config
+from hfscale.plan.fsdp import ROOT, TAIL, fsdp2_phases, fsdp2_units
+from hfscale.plan.peak import scaled_trace, step_prediction
+
+CFG = load_config("tiny-gemma3")
+P = 3_001_920  # tiny Gemma 3: 4 decoder layers of 553,824 + embedding 786,432 (tied lm_head) + final norm 192
+
+
+def test_units_follow_accelerates_wrapping():
+    u = fsdp2_units(CFG)
+    assert u.layers == (553_824,) * 4 and u.tail == 786_432 + 192 and u.root == 0 and u.total == P
+    assert u.largest_param == 786_432
+    assert u.param_units[0] == TAIL and u.param_units[-1] == TAIL and ROOT not in u.param_units
+    assert [u.param_units.count(i) for i in range(4)] == [13] * 4
+
+
+def test_phases_per_rank():
+    tr = scaled_trace(CFG, micro_batch=2, seq_len=128, precision="fp32", attention="eager", checkpointing="off",
+                      lora_rank=0, grad_accum=1, adamw="forloop")
+    u = fsdp2_units(CFG)
+    on, off = (fsdp2_phases(tr, u, 2, reshard, False, True) for reshard in (True, False))
+    for ph in (on, off):
+        assert ph["backward"]["param_shards"] == 4 * P // 2 and ph["backward"]["optimizer"] == -(-tr.state_bytes // 2)
+        # the optimizer step: shards, fp32 gradient shards, moments, forloop AdamW's two temporaries of the largest shard
+        assert ph["optimizer"]["gradient_shards"] == 4 * P // 2
+        assert ph["optimizer"]["optimizer_temporaries"] == 2 * 4 * 786_432 // 2
+    # the start of backward (the loss): with reshard only the tail unit is gathered, without it every unit is
+    assert on["backward"]["gathered_parameters"] == 4 * u.tail
+    assert off["backward"]["gathered_parameters"] == 4 * P
+    # CPU offload: the same bytes, the shards / gradients / moments on the host
+    host = fsdp2_phases(tr, u, 2, True, True, True)["optimizer"]
+    assert {k for k in host if k.startswith("host_")} == {"host_param_shards", "host_gradient_shards", "host_optimizer"}
+
+
+def test_step_prediction_engine_fsdp2():
+    """The plan's path (what `hfscale profile` compares with): engine fsdp2, measured on this host at 62,535,656
+    bytes per rank (2 ranks, fp32, micro 2 x 128, reshard on): predicted within 0.001%."""
+    p = step_prediction(CFG, 2, 128, "fp32", "eager", "off", zero=3, dp=2, engine="FSDP", adamw="forloop")
+    assert p["trace"]["engine"] == "fsdp2" and "fsdp.py" in p["trace"]["sharding"]
+    assert abs(p["peak"] - 62_535_656) / 62_535_656 < 1e-5 and p["peak_phase"] == "backward"
+    keep = step_prediction(CFG, 2, 128, "fp32", "eager", "off", zero=3, dp=2, engine="fsdp2", adamw="forloop",
+                           reshard_after_forward=False)
+    assert keep["peak"] - p["peak"] == 4 * sum(fsdp2_units(CFG).layers)  # every layer stays gathered
+
+
+def test_accumulation_keeps_the_earlier_micro_batches_gradient_shards():
+    """2 micro batches per step: the second backward runs beside the first one's fp32 gradient shards (4P/N); measured in
+    benchmarks/results/fsdp2_engines.md (bf16, micro 4 x 128, 2 ranks): 92,780,266 bytes per rank, planned 92,780,150."""
+    one = step_prediction(CFG, 4, 128, "bf16", "eager", "off", grad_accum=1, zero=3, dp=2, engine="fsdp2", adamw="forloop")
+    two = step_prediction(CFG, 4, 128, "bf16", "eager", "off", grad_accum=2, zero=3, dp=2, engine="fsdp2", adamw="forloop")
+    assert two["peak"] == 92_780_150 and two["peak"] - one["peak"] >= 4 * P // 2
