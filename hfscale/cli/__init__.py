@@ -47,8 +47,19 @@ def main(argv=None) -> int:
         quiet_known_noise()
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ..extras import MissingExtra, missing_extra_line
+
     try:
         return int(args.run(args) or 0)
+    except MissingExtra as e:  # already one line: "hfscale quantize --format gguf needs hfscale[edge]: pip install ..."
+        print(e, file=sys.stderr)
+        return 2
+    except ImportError as e:  # an optional dependency imported past the verb's own check
+        msg = missing_extra_line(e, f"hfscale {args.command}")
+        if msg is None:
+            raise
+        print(msg, file=sys.stderr)
+        return 2
     except HfscaleError as e:
         print(f"hfscale {args.command}: error: {e}", file=sys.stderr)
         return 2
