@@ -140,6 +140,10 @@ def run(args) -> int:
     if (args.write or args.plot) and hw is None:
         raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
     check_writable({args.write: "--write", args.plot: "--plot"}, args.force, inputs={args.model: "--model"})
+    if args.plot:  # issue 30: matplotlib is the [plot] extra
+        from ..extras import require
+
+        require("hfscale plan --plot", "plot")
     # the trace runs transformers' code on the real config; the analytic plan reads the cached shape (no torch)
     config = load_config(args.model) if args.trace else None
     shape = shape_of(config) if config is not None else model_shape(args.model)
