@@ -392,7 +392,9 @@ def run(args) -> RankProfile:
 
 def main(argv=None) -> int:
     from .atomic import write_text_atomic
+    from .quiet import quiet_unless_verbose
 
+    quiet_unless_verbose()  # a launched rank: HFSCALE_VERBOSE=1 (hfscale --verbose) shows the notices
     args = _parse(argv)
     prof = run(args)
     write_text_atomic(Path(args.out) / f"rank{prof.rank}.json", json.dumps(prof.to_dict()))

@@ -216,6 +216,9 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
+    from .quiet import quiet_unless_verbose
+
+    quiet_unless_verbose()  # a launched rank: HFSCALE_VERBOSE=1 (hfscale --verbose) shows the notices
     args = _parse(argv)
     report = run(args)
     from .atomic import write_text_atomic

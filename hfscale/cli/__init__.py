@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import HfscaleError
@@ -41,6 +42,9 @@ def main(argv=None) -> int:
     # --verbose, anywhere on the line, is read before any library is imported, so import-time noise is caught too
     if "--verbose" in argv:
         argv = [a for a in argv if a != "--verbose"]
+        from ..quiet import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"  # what this command launches (ranks, recipes) shows them too
     else:
         from ..quiet import quiet_known_noise
 
