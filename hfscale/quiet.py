@@ -12,10 +12,14 @@ Seen here (torch 2.13, torchao 0.18, bitsandbytes 0.50, DeepSpeed 0.19.8, accele
   warnings  torch     "`torch.distributed.all_gather_into_tensor` is deprecated" (+ its `return func(...)` line)
                       DeepSpeed's collectives, once per rank
   print()   DeepSpeed "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"   once per rank
+  warnings  .pte export: dynamo's "side effects" and ExecuTorch's "Mutation on a buffer" (the KV cache, on
+            purpose), torch's "`isinstance(treespec, LeafSpec)` is deprecated" (x9)
+  fd 2      ExecuTorch "[cpuinfo_utils.cpp:NN] ..." (5 lines per program load): native_noise_dropped()
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -32,10 +36,17 @@ NOISE = {
 # (category, message regex) for warnings.filterwarnings; the printed source line goes with the warning
 WARNINGS = (
     (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),
+    # .pte export: the KV cache is a buffer the program mutates on purpose; torch.export's pytree use
+    (UserWarning, r"While compiling, we found certain side effects happened"),
+    (UserWarning, r"Mutation on a buffer in the model is detected"),
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
 )
 # whole lines libraries print() with no logger to filter
 PRINTS = (re.compile(r"DeepSpeed \S+ built successfully"),)
-PRINT_STARTS = ("DeepSpeed ",)  # what a PRINTS line starts with: a partial line that may become one is held
+PRINT_STARTS = ("DeepSpeed ",)
+# lines C/C++ code writes straight to fd 2 (ExecuTorch's XNNPACK set-up reading /sys for cpuinfo, once per load)
+NATIVE = ("[cpuinfo_utils.cpp:",)
+_ACTIVE = False  # what a PRINTS line starts with: a partial line that may become one is held
 VERBOSE_ENV = "HFSCALE_VERBOSE"
 
 
@@ -77,6 +88,8 @@ class _DropPrintedNoise:
 def quiet_known_noise() -> None:
     """Install the filters (before the libraries are imported: a filter on a logger survives the
     library's own setLevel / handler set-up). Idempotent."""
+    global _ACTIVE
+    _ACTIVE = True
     for name, texts in NOISE.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropKnownNoise) for f in logger.filters):
@@ -98,3 +111,28 @@ def quiet_unless_verbose(verbose: bool = False) -> bool:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     quiet_known_noise()
     return True
+
+
+@contextlib.contextmanager
+def native_noise_dropped(fd: int = 2):
+    """Around a call whose native code writes NATIVE lines to stderr, when quiet is on: fd 2 goes to a
+    temporary file for the call, and its other lines are written back when it ends."""
+    if not _ACTIVE:
+        yield
+        return
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True) if not ln.startswith(NATIVE)]
+            if kept:
+                os.write(fd, "".join(kept).encode())
