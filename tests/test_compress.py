@@ -220,6 +220,7 @@ def test_trainer_callback_prepares_converts_and_saves(trained, heldout, tmp_path
     assert torch.equal(logits(model), logits(back))
 
 
+@pytest.mark.slow  # a quantize subprocess and two model loads (~35 s on a loaded 2-core host)
 def test_eval_scores_a_bf16_saved_quantized_dir(cli, tmp_path):
     """A recipe on a native-bf16 host saves bf16; its 8da4w directory keeps bf16 scales. `hfscale eval` used to
     load it as fp32 around them and fail (expected m1 and m2 to have the same dtype); it scores it as saved."""
