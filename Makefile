@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml requirements.lock
 	# edge runtimes: GGUF writer, ExecuTorch (beside torch, not replacing it), llama.cpp via its Python binding
 	$(PIP) install -q -c requirements.lock gguf executorch
 	$(PIP) install -q -c requirements.lock llama-cpp-python
-	$(PIP) install -q -c requirements.lock -e ".[test]"
-	$(PY) -c "import torch, transformers, accelerate, deepspeed, peft, datasets, torchao, bitsandbytes, gguf, executorch, llama_cpp; print('installed: torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
+	# the project with every extra ([all]: deepspeed, quant, edge, plot) and the test tools; all of it is
+	# installed above in the safe order, so this adds only hfscale itself and the small pure-Python pieces
+	$(PIP) install -q -c requirements.lock -e ".[all,test]"
+	$(PY) -c "import torch, transformers, accelerate, deepspeed, peft, datasets, torchao, bitsandbytes, gguf, executorch, llama_cpp, matplotlib; print('installed: torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
 	touch $@
 
 demo: install
@@ -41,8 +43,9 @@ demo: install
 test: install
 	$(PY) -m pytest -q -ra --durations=30
 
+# a few minutes: no multi-process launch, no fixture training, no llama.cpp / ExecuTorch / real-step subprocess
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not engine"
+	$(PY) -m pytest -q -ra -m "not engine and not slow" --durations=10
 
 # Regenerate every shipped config from the CLI (the tests fail on drift from this).
 configs: install

@@ -309,7 +309,10 @@ def predict(config, r: dict) -> dict:
 def write_report(directory: str | os.PathLike, reports: list[dict], config, title: str) -> list[dict]:
     """profile.json (per rank: measured, predicted, error) and timeline.png into `directory` from the rank
     reports; `config` None skips the prediction. Returns the per-rank rows."""
+    import sys
+
     from .atomic import write_text_atomic
+    from .extras import installed, line
     from .plan.plot import plot_timeline
 
     preds = {r["rank"]: None if config is None else predict(config, r) for r in reports}  # ranks differ (ZeRO-2)
@@ -337,6 +340,9 @@ def write_report(directory: str | os.PathLike, reports: list[dict], config, titl
            "checkpointing": r0["checkpointing"], "ranks": rows,
            "prediction_error": pred.get("error") if pred else None}
     write_text_atomic(Path(directory) / "profile.json", json.dumps(doc, indent=1))
+    if not installed("matplotlib"):  # the numbers are in profile.json; the picture is the [plot] extra's
+        print(line("timeline.png", "plot"), file=sys.stderr)
+        return rows
     plot_timeline(reports, str(Path(directory) / "timeline.png"), title,
                   predicted={k: p["peak"] for k, p in preds.items() if p and "peak" in p})
     return rows
@@ -395,7 +401,9 @@ def run(args) -> RankProfile:
 
 def main(argv=None) -> int:
     from .atomic import write_text_atomic
+    from .quiet import quiet_unless_verbose
 
+    quiet_unless_verbose()  # a launched rank: HFSCALE_VERBOSE=1 (hfscale --verbose) shows the notices
     args = _parse(argv)
     prof = run(args)
     write_text_atomic(Path(args.out) / f"rank{prof.rank}.json", json.dumps(prof.to_dict()))

@@ -297,6 +297,9 @@ def _logits(accelerator, model, batch):
 
 
 def main(argv=None) -> int:
+    from .quiet import quiet_unless_verbose
+
+    quiet_unless_verbose()  # a launched rank: HFSCALE_VERBOSE=1 (hfscale --verbose) shows the notices
     args = _parse(argv)
     report = run(args)
     from .atomic import write_text_atomic

@@ -49,3 +49,28 @@ def cli():
 @pytest.fixture(scope="session")
 def root():
     return ROOT
+
+
+# --- tiers: `make test-fast` runs -m "not engine and not slow" (a few minutes) ---------------------------------
+# `engine` is marked where a test launches processes; `slow` is marked on the test (tests/test_install.py,
+# tests/test_readme.py) or here, for what a test file or fixture does rather than what it asserts:
+# fixtures that train: `trained` (the tiny fixture, 300 steps on a fresh cache), `pair` (test_distill_recipe: a
+# 40-step teacher and its pruned student)
+SLOW_FIXTURES = {"trained", "pair"}
+SLOW_TESTS = {  # file -> test-name prefixes ("" = every test in the file): why
+    "test_bench.py": ("",),                    # llama.cpp and ExecuTorch runs, one process per measurement
+    "test_export_pte.py": ("",),               # ExecuTorch lowering (~75 s) and runtime
+    "test_export_gguf.py": ("",),              # llama.cpp loads and runs every GGUF
+    "test_export_gguf_gemma4.py": ("",),       # llama.cpp runs, trained Gemma 4 shapes
+    "test_export_gguf_moe.py": ("",),          # llama.cpp runs of MoE GGUFs
+    "test_outputs.py": ("test_kill_gguf", "test_kill_pte", "test_kill_checkpoint", "test_kill_quantize"),  # real exports / saves killed
+    "test_profile.py": ("test_one_process_timeline",),  # real steps in a subprocess
+    "test_cli_refusals.py": ("test_weight_only_ptq",),  # two real PTQ runs (quantize, save, reload, compare)
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        prefixes = SLOW_TESTS.get(item.path.name, ())
+        if SLOW_FIXTURES & set(item.fixturenames) or any(item.name.startswith(p) for p in prefixes):
+            item.add_marker(pytest.mark.slow)

@@ -218,3 +218,27 @@ def test_trainer_callback_prepares_converts_and_saves(trained, heldout, tmp_path
     assert not is_prepared(model) and type(model.model.layers[0].mlp.up_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     assert torch.equal(logits(model), logits(back))
+
+
+@pytest.mark.slow  # a quantize subprocess and two model loads (~35 s on a loaded 2-core host)
+def test_eval_scores_a_bf16_saved_quantized_dir(cli, tmp_path):
+    """A recipe on a native-bf16 host saves bf16; its 8da4w directory keeps bf16 scales. `hfscale eval` used to
+    load it as fp32 around them and fail (expected m1 and m2 to have the same dtype); it scores it as saved."""
+    import math
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from hfscale.compress.evaluate import EvalData, evaluate_models
+    from hfscale.models import save_pretrained_dir
+
+    src = save_pretrained_dir("tiny-gemma3", tmp_path / "f32")
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    m.save_pretrained(tmp_path / "bf16")
+    for f in Path(src).glob("tokenizer*"):
+        (tmp_path / "bf16" / f.name).write_bytes(f.read_bytes())
+    r = cli("quantize", tmp_path / "bf16", "--scheme", "8da4w", "--out", tmp_path / "q")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = evaluate_models([str(tmp_path / "bf16"), str(tmp_path / "q")], EvalData(n_blocks=8), progress=False)
+    assert rows[1]["quantization"].startswith("torchao") and math.isfinite(rows[1]["perplexity"])
+    assert abs(math.log(rows[1]["perplexity"] / rows[0]["perplexity"])) < 0.1  # random init: ~4096 both

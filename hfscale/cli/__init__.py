@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import HfscaleError
@@ -42,14 +43,28 @@ def main(argv=None) -> int:
     # --verbose, anywhere on the line, is read before any library is imported, so import-time noise is caught too
     if "--verbose" in argv:
         argv = [a for a in argv if a != "--verbose"]
+        from ..quiet import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"  # what this command launches (ranks, recipes) shows them too
     else:
         from ..quiet import quiet_known_noise
 
         quiet_known_noise()
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ..extras import MissingExtra, missing_extra_line
+
     try:
         return int(args.run(args) or 0)
+    except MissingExtra as e:  # already one line: "hfscale quantize --format gguf needs hfscale[edge]: pip install ..."
+        print(e, file=sys.stderr)
+        return 2
+    except ImportError as e:  # an optional dependency imported past the verb's own check
+        msg = missing_extra_line(e, f"hfscale {args.command}")
+        if msg is None:
+            raise
+        print(msg, file=sys.stderr)
+        return 2
     except HfscaleError as e:
         print(f"hfscale {args.command}: error: {e}", file=sys.stderr)
         return 2

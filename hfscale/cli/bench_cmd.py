@@ -34,6 +34,9 @@ def add_parser(sub):
     p.set_defaults(run=run)
 
 
+RUNTIME_MODULES = {"gguf": ("llama_cpp",), "pte": ("executorch",)}  # what runs each artifact (hfscale[edge])
+
+
 def run(args) -> int:
     import json
 
@@ -41,8 +44,12 @@ def run(args) -> int:
 
     spec = BenchSpec(args.prompt_tokens, args.decode_tokens, args.runs, args.threads)
     paths = [args.artifact] + ([args.compare] if args.compare else [])
+    from ..extras import require
+
     for p in paths:
-        artifact_kind(p)  # a missing or unknown artifact: one line before any run
+        kind = artifact_kind(p)  # a missing or unknown artifact: one line before any run
+        if kind in RUNTIME_MODULES:
+            require(f"hfscale bench {p} ({kind})", "edge", RUNTIME_MODULES[kind])
     results = bench(paths, spec, progress=not args.json)
     host = host_info(spec.n_threads)
     if args.json:

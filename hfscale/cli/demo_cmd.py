@@ -11,5 +11,9 @@ def add_parser(sub):
 
 def run(args) -> int:
     from ..demo import run_demo
+    from ..extras import require
+
+    for extra in ("deepspeed", "quant", "edge"):  # it proves ZeRO, QAT-trains and exports
+        require("hfscale demo", extra)
 
     return run_demo(args.out)

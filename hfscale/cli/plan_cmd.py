@@ -105,6 +105,10 @@ def run(args) -> int:
     if (args.write or args.plot) and hw is None:
         raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
     check_writable({args.write: "--write", args.plot: "--plot"}, args.force, inputs={args.model: "--model"})
+    if args.plot:  # matplotlib is the [plot] extra
+        from ..extras import require
+
+        require("hfscale plan --plot", "plot")
     serving = None
     if args.inference:
         serving = Serving(args.quant or "bf16", 1 if args.batch is None else args.batch, args.context,

@@ -55,6 +55,10 @@ def _check(args):
             raise HfscaleError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if args.config and not Path(args.config).is_file():
         raise HfscaleError(f"accelerate config {args.config} not found; write one with `hfscale config`")
+    from ..extras import require, uses_deepspeed
+
+    if args.config and uses_deepspeed(args.config):
+        require(f"hfscale profile --config {args.config} (DeepSpeed)", "deepspeed")
     parse_checkpointing(args.checkpointing)
     config = load_config(args.model)
     if getattr(config, "vocab_size", None) is None:

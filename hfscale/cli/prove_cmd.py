@@ -43,6 +43,10 @@ def run(args) -> int:
         raise HfscaleError(f"accelerate config {args.config} not found; write one with `hfscale config`")
     if args.num_processes < 1 or args.num_machines < 1 or args.num_processes % args.num_machines:
         raise HfscaleError("--num-processes must be a positive multiple of --num-machines")
+    from ..extras import require, uses_deepspeed
+
+    if uses_deepspeed(args.config):
+        require(f"hfscale prove --config {args.config} (DeepSpeed)", "deepspeed")
     extra = ["--model", args.model, "--steps", str(args.steps)]
     out = Path(args.out)
     written = {out / "ranks": "--out", out / "reference": "--out"}  # what a proof replaces under --out

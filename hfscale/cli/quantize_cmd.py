@@ -66,9 +66,25 @@ def run(args) -> int:
         return 0
     if not args.model or not args.out:
         raise HfscaleError("give MODEL and --out (e.g. hfscale quantize tiny-gemma3 --scheme 8da4w --out q_dir)")
+    _require_extra(args)
     if args.format == "transformers":
         return _run_ptq(args)
     return _run_export(args)
+
+
+# what each path imports: the format's writer and runtime, or the scheme's library (GPTQ uses torchao's primitives)
+FORMAT_MODULES = {"gguf": ("gguf", "llama_cpp"), "pte": ("executorch", "torchao")}
+LIBRARY_MODULES = {"torchao": ("torchao",), "bitsandbytes": ("bitsandbytes",), "hfscale": ("torchao",)}
+
+
+def _require_extra(args) -> None:
+    from ..compress.schemes import SCHEMES
+    from ..extras import require
+
+    if args.format != "transformers":
+        require(f"hfscale quantize --format {args.format}", "edge", FORMAT_MODULES.get(args.format))
+    elif args.scheme in SCHEMES:
+        require(f"hfscale quantize --scheme {args.scheme}", "quant", LIBRARY_MODULES.get(SCHEMES[args.scheme].library))
 
 
 def _run_export(args) -> int:

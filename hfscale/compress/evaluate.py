@@ -89,7 +89,7 @@ def evaluate_models(paths: list[str], ed: EvalData = EvalData(), progress: bool 
 
     rows, ref_top1, blocks = [], None, None
     for path in tqdm(paths, desc="eval", disable=not progress):
-        model, tok = load_for_eval(path)  # as a user reloads it (quantized dirs too)
+        model, tok = load_for_eval(path, dtype=_quantized_dtype(path))  # as a user reloads it (quantized dirs too)
         if blocks is None:
             blocks = heldout_blocks(tok, ed)  # every model is scored on the first model's tokens
         nll, n, top1 = score(model, blocks, ed.batch_size, want_top1=True)
@@ -101,6 +101,23 @@ def evaluate_models(paths: list[str], ed: EvalData = EvalData(), progress: bool 
                      "quantization": _quant_name(quant)})
         del model
     return rows
+
+
+def _quantized_dtype(path):
+    """A torchao-quantized directory saved from a bf16 model keeps bf16 scales: loaded as fp32 around them,
+    its linears refuse the fp32 activations (dtype mismatch), so it is scored in the dtype it was saved in."""
+    import json
+    from pathlib import Path
+
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return None
+    d = json.loads(cfg.read_text())
+    if "quantization_config" not in d:
+        return None
+    import torch
+
+    return getattr(torch, str(d.get("dtype") or d.get("torch_dtype") or "float32"), None)
 
 
 def _quant_name(q) -> str:

@@ -47,6 +47,9 @@ def prepare_qat_(model, scheme):
         from .ggml_grid import prepare_q4_0_qat_
 
         return prepare_q4_0_qat_(model, include_embeddings=spec.include_embeddings)
+    from ..extras import require
+
+    require(f"prepare_qat_(model, {spec.scheme!r})", "quant", ("torchao",))
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 

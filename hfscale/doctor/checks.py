@@ -429,7 +429,12 @@ def unknown_keys(s: Setup) -> Iterator[Finding]:
     if isinstance(ds, dict):
         yield from _unknown(ds, DS_TOP, lambda k: _ds(s, k), "DeepSpeed")
         z = ds.get("zero_optimization")
-        if isinstance(z, dict):
+        from ..extras import installed, line
+
+        if isinstance(z, dict) and not installed("deepspeed"):  # its pydantic schema is the reference for ZeRO keys
+            yield Finding("unknown-key", "warning", _ds(s, "zero_optimization"), "ZeRO keys not checked for typos",
+                          line("checking them against DeepSpeed's schema", "deepspeed"))
+        elif isinstance(z, dict):
             yield from _unknown(z, _zero_known(), lambda k: _ds(s, f"zero_optimization.{k}"), "DeepSpeed ZeRO")
             for block in ("offload_optimizer", "offload_param"):
                 if isinstance(z.get(block), dict):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..atomic import check_writable, staged
 from ..errors import HfscaleError
+from ..extras import require
 from ..models import load_for_eval
 from . import evalset as E
 from .sidecar import sidecar_path, source_info, write_sidecar
@@ -29,6 +30,7 @@ def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed
                 verify: bool = True, evalset: E.EvalSet = E.EvalSet(), progress: bool = True) -> dict:
     from .gguf import GGUFOptions, check_supported, norm_convention, write_gguf
 
+    require("hfscale.export.export_gguf", "edge", ("gguf", "llama_cpp") if verify else ("gguf",))
     opts = GGUFOptions(qtype, embed_qtype)
     out, cfg = _prepare(model, out, force)
     check_supported(cfg)
@@ -57,6 +59,7 @@ def export_pte(model: str, out, qtype: str = "8da4w", force: bool = False, max_s
 
     from .pte import check_supported, decode_module, lower_to_pte, quantize_8da4w_, verify_pte
 
+    require("hfscale.export.export_pte", "edge", ("executorch", "torchao"))
     out, cfg = _prepare(model, out, force)
     check_supported(cfg, qtype)
     es = evalset or E.EvalSet(prompt_tokens=min(96, max_seq_len), seq_len=max_seq_len)

@@ -71,7 +71,10 @@ class PteRunner:
     def __init__(self, path: Path):
         from executorch.runtime import Runtime
 
-        self.method = Runtime.get().load_program(str(path)).load_method("forward")
+        from ..quiet import native_noise_dropped
+
+        with native_noise_dropped():  # XNNPACK's cpuinfo lines, written by C++ straight to stderr
+            self.method = Runtime.get().load_program(str(path)).load_method("forward")
         self.step_seconds: list[float] = []
 
     def step(self, token: int, pos: int):

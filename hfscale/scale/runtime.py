@@ -227,11 +227,12 @@ def make_optimizer(accelerator, model, lr: float, weight_decay: float = 0.0, bet
     """AdamW for plain accelerate loops. If the DeepSpeed config declares an optimizer (hfscale does
     for offload, so DeepSpeed's CPU Adam is used) this returns the `DummyOptim` accelerate needs."""
     import torch
-    from accelerate.utils import DummyOptim
 
     params = [p for p in model.parameters() if p.requires_grad]
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None and "optimizer" in plugin.deepspeed_config:
+        from accelerate.utils import DummyOptim  # exported only where DeepSpeed is installed (hfscale[deepspeed])
+
         return DummyOptim(params, lr=lr, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 

@@ -160,9 +160,14 @@ def parse_recipe_args(argv, doc: str, config_help: str, cls=TrainConfig) -> tupl
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--config", help=config_help)
     p.add_argument("--force", action="store_true", help="start over in an OUTPUT_DIR that already holds a run")
+    p.add_argument("--verbose", action="store_true", help="also show the third-party notices hidden by default "
+                   "(hfscale/quiet.py lists them)")
     add_override_args(p, cls)
     args = p.parse_args(argv)
-    return args.config, {k: v for k, v in vars(args).items() if k not in ("config", "force")}, args.force
+    from ..quiet import quiet_unless_verbose
+
+    quiet_unless_verbose(args.verbose)  # each rank parses its arguments before torch is imported
+    return args.config, {k: v for k, v in vars(args).items() if k not in ("config", "force", "verbose")}, args.force
 
 
 def add_override_args(parser, cls=TrainConfig) -> None:

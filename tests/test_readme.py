@@ -1,0 +1,116 @@
+"""Issue 30: the README a newcomer reads. Its relative links resolve (README and docs/), its first screen
+says what / install / first command, and its quick-start block runs top to bottom as written."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _pages():
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def quick_start() -> str:
+    """The first ```bash block after the '## Quick start' heading."""
+    text = README.read_text()
+    section = text.split("## Quick start", 1)[1]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+def test_relative_links_resolve():
+    checked = 0
+    for page in _pages():
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+://|mailto:|#", target):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            assert path.exists(), f"{page.relative_to(ROOT)}: broken link {target}"
+            checked += 1
+    assert checked >= 10  # the capability table links every docs page
+
+
+def test_every_docs_page_is_linked_and_opens_with_what_ran_where():
+    linked = {(README.parent / t).resolve() for t in LINK.findall(README.read_text())}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert page.resolve() in linked, f"{page.name} is not reachable from the README"
+        head = page.read_text().split("\n")[:4]
+        assert head[0].startswith("# ") and any(ln.startswith("**What ran where:**") for ln in head), page.name
+
+
+def test_first_screen_answers_what_install_first_command():
+    first = "\n".join(README.read_text().split("\n")[:40])  # one screen
+    for needle in ("make demo", "make test", "pip install", "## Quick start"):
+        assert needle in first, needle
+
+
+def commands(block: str) -> list[str]:
+    """The block's commands, continuation lines joined."""
+    return [c.strip() for c in block.replace("\\\n", " ").split("\n") if c.strip() and not c.lstrip().startswith("#")]
+
+
+def foreign_lines(output: str, tags=("[train_clm]", "train:")) -> list[str]:
+    """Lines of a recipe launch that hfscale did not write: not the recipe's own `[train_clm]` lines nor
+    its progress bar (tqdm redraws with carriage returns)."""
+    out = []
+    for line in output.splitlines():
+        parts = [p.strip() for p in line.split("\r") if p.strip()]
+        if parts and not all(p.startswith(tags) for p in parts):
+            out.append(line)
+    return out
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_quick_start_runs_top_to_bottom(tmp_path):
+    """The block as written, command by command, in a directory laid out like a fresh clone after `make demo`
+    (.venv, recipes/); every command writes with --force, so it runs twice too. Its `accelerate launch` is also
+    the quiet-launch check (issue 30): the recipe's ranks print only hfscale's lines; what is left is at most
+    DeepSpeed's "Setting accelerator to CPU", written by accelerate's own launcher process before any hfscale code."""
+    for name in ("recipes", "accelerate_configs", "ds_configs"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))  # `source .venv/bin/activate` finds this suite's venv
+    cmds = commands(quick_start())
+    assert cmds[0] == "source .venv/bin/activate" and len(cmds) == 8, cmds
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("HFSCALE_VERBOSE", None)
+    outs = {}
+    for cmd in cmds[1:]:
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", f"{cmds[0]}\n{cmd}"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=1200, env=env)
+        assert r.returncode == 0, (cmd, r.stdout[-3000:], r.stderr[-3000:])
+        outs[cmd.split()[0] + " " + cmd.split()[1]] = r
+    assert "pick:" in outs["hfscale plan"].stdout
+    launch = outs["accelerate launch"]
+    both = launch.stdout + launch.stderr
+    assert "[train_clm] eval loss" in both and "10/10" in both
+    foreign = foreign_lines(launch.stdout) + foreign_lines(launch.stderr)
+    assert len(foreign) <= 1 and all("Setting accelerator to CPU" in ln for ln in foreign), foreign
+    assert (tmp_path / "runs/tiny/model/model.safetensors").is_file()
+    assert (tmp_path / "runs/tiny_8da4w/config.json").is_file()
+    assert "runs/tiny_8da4w" in outs["hfscale eval"].stdout
+    gguf = tmp_path / "runs/tiny-Q4_0.gguf"
+    assert gguf.is_file() and gguf.stat().st_size > 0 and (tmp_path / "runs/tiny-Q4_0.gguf.json").is_file()
+
+
+@pytest.mark.parametrize("flag, quiet", [([], True), (["--verbose"], False)])
+def test_a_recipe_quiets_its_rank_unless_verbose(flag, quiet, tmp_path):
+    """Every recipe parses its arguments with parse_recipe_args before torch is imported; that is where each rank
+    installs hfscale/quiet.py's filters, and --verbose leaves them out (the quick start's launch above counts the
+    lines). A fresh interpreter, no torch: ~1 s."""
+    code = ("import logging, sys; from hfscale.train.config import parse_recipe_args; "
+            f"parse_recipe_args({flag!r}, 'doc', 'cfg'); "
+            "print(bool(logging.getLogger('torchao').filters), type(sys.stdout).__name__, 'torch' in sys.modules)")
+    env = {**os.environ}
+    env.pop("HFSCALE_VERBOSE", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    filtered, stream, torch_loaded = r.stdout.split()
+    assert filtered == str(quiet) and (stream == "_DropPrintedNoise") == quiet and torch_loaded == "False"
