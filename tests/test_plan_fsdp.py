@@ -52,3 +52,26 @@ def test_accumulation_keeps_the_earlier_micro_batches_gradient_shards():
     one = step_prediction(CFG, 4, 128, "bf16", "eager", "off", grad_accum=1, zero=3, dp=2, engine="fsdp2", adamw="forloop")
     two = step_prediction(CFG, 4, 128, "bf16", "eager", "off", grad_accum=2, zero=3, dp=2, engine="fsdp2", adamw="forloop")
     assert two["peak"] == 92_780_150 and two["peak"] - one["peak"] >= 4 * P // 2
+
+
+def test_plan_predicts_fsdp2_and_ranks_it(tmp_path):
+    """`plan(engine="fsdp2")` is the same FSDP2 model per rank; FSDP2 rows are candidates and an FSDP2 pick writes an
+    FSDP2 accelerate config (parameter offload as Zero.offload_params, as `hfscale config fsdp2` writes it)."""
+    import yaml
+
+    from hfscale.plan import Hardware, plan
+    from hfscale.plan.planner import to_scale_spec
+    from hfscale.plan.write import write_plan
+
+    r = plan("tiny-gemma3", 128, 2, precision="fp32", engine="fsdp2", dp=2)
+    assert r.strategy.label.startswith("FSDP2") and r.prediction.source == "trace"
+    assert r.prediction.peak == step_prediction(CFG, 2, 128, "fp32", engine="fsdp2", dp=2)["peak"]
+    ranked = plan("tiny-gemma3", 128, 1, precision="fp32", hardware=Hardware(2, 1, 10**9), method="fast")
+    rows = [c for c in ranked.candidates if c.engine == "fsdp2"]
+    assert {c.offload for c in rows} == {"none", "cpu"} and all(c.zero == 0 for c in rows)
+    offloaded = next(c for c in rows if c.offload == "cpu")
+    spec = to_scale_spec(offloaded, ranked.hardware)
+    assert spec.engine == "fsdp2" and spec.zero.offload_params == "cpu"
+    written = write_plan(offloaded, ranked.hardware, tmp_path / "w")
+    cfg = yaml.safe_load(next(p for p in written if p.suffix == ".yaml" and p.name == "plan.yaml").read_text())
+    assert cfg["distributed_type"] == "FSDP" and cfg["fsdp_config"]["fsdp_offload_params"] is True

@@ -185,9 +185,12 @@ def _cached_step(model: str, s: Strategy, grad_accum: int, kernels: str, compute
 
 
 def _analytic(d, s: Strategy) -> dict:
+    """The analytic terms; FSDP2 (fully sharded parameters, gradients and optimizer) takes ZeRO-3's."""
     from .memory import predict
     from .parallel import predict_parallel
 
+    if s.engine == "fsdp2":
+        s = replace(s, engine="auto", zero=3)
     return predict_parallel(d, s) if s.sp * s.tp * s.cp > 1 else predict(d, s)
 
 
@@ -228,9 +231,12 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
          attention: str = "sdpa", lora_rank: int = 0, base_bits: int = 16, sp: int | None = None,
          tp: int | None = None, cp: int | None = None, hardware: Hardware | None = None,
          global_batch_tokens: int | None = None, method: str = "auto", kernels: str | None = None,
-         serving: Serving | None = None, progress: bool = False) -> Plan:
+         serving: Serving | None = None, engine: str = "auto", progress: bool = False) -> Plan:
     """Predict per-rank memory of training `model` (a built-in name, config.json, model directory or hub name)
-    with the strategy given; with `hardware`, rank every strategy for it and pick the cheapest that fits.
+    with the strategy given (`engine`: "auto" = DDP at ZeRO 0, DeepSpeed at 1-3; "fsdp2" = FSDP2, its per-rank
+    rules laid over the trace by plan/fsdp.py); with `hardware`, rank every strategy for it (DDP, ZeRO 1-3 and FSDP2,
+    offload, checkpointing, micro batch, and sp / tp / cp where plain data parallelism does not fit) and pick the
+    cheapest that fits.
     Raises HfscaleError (one line) for invalid input; see the module docstring for `method` and `kernels`."""
     from .kernels import KERNELS
     from .parallel import parallel_options
@@ -250,7 +256,7 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
     dp = dp if dp is not None else (hardware.world // par.size if hardware else 1)  # dp 0 is refused, not made 1
     s = Strategy(zero=zero, dp=dp, precision=precision, optimizer=optimizer, offload=offload,
                  checkpointing=checkpointing, micro_batch=micro_batch, seq_len=seq_len, attention=attention,
-                 lora_rank=lora_rank, base_bits=base_bits, sp=par.sp, tp=par.tp, cp=par.cp)
+                 lora_rank=lora_rank, base_bits=base_bits, sp=par.sp, tp=par.tp, cp=par.cp, engine=engine)
     d = shape.dims
     if d is None and (method == "fast" or serving is not None):
         raise HfscaleError(f"{shape.dims_error}; {'--inference' if serving else '--fast'} needs those formulas: drop it "

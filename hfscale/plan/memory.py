@@ -88,6 +88,7 @@ class Strategy:
     sp: int = 1  # sequence parallel (DeepSpeed Ulysses); dp counts replicas, so world = dp x sp x tp x cp
     tp: int = 1  # tensor parallel (transformers tp_plan)
     cp: int = 1  # context parallel (torch, FSDP2)
+    engine: str = "auto"  # auto: DDP at ZeRO 0, DeepSpeed at 1-3 | fsdp2: torch fully_shard through accelerate
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -104,18 +105,23 @@ class Strategy:
             raise HfscaleError("--attention must be sdpa or eager")
         if self.offload not in ("none", "cpu", "nvme"):
             raise HfscaleError("--offload must be none, cpu or nvme")
-        if self.offload != "none" and self.zero == 0:
-            raise HfscaleError("offload needs ZeRO 1-3; use --zero 2 or 3")
+        if self.offload != "none" and self.zero == 0 and self.engine != "fsdp2":
+            raise HfscaleError("offload needs ZeRO 1-3 or --engine fsdp2; use --zero 2 or 3")
         try:
             parse_checkpointing(self.checkpointing)
         except ValueError as e:
             raise HfscaleError(str(e)) from None
         if min(self.sp, self.tp, self.cp) < 1 or (self.sp > 1 and self.cp > 1):
             raise HfscaleError("--sp, --tp and --cp must be at least 1, and --sp and --cp exclude each other")
+        if self.engine not in ("auto", "fsdp2"):
+            raise HfscaleError(f"--engine must be auto or fsdp2 (got {self.engine!r})")
+        if self.engine == "fsdp2" and (self.zero or self.offload == "nvme" or self.sp > 1):
+            raise HfscaleError("--engine fsdp2 shards parameters, gradients and optimizer by itself: drop --zero, --sp "
+                               "(DeepSpeed Ulysses) and --offload nvme (FSDP2 offloads to cpu)")
 
     @property
     def label(self) -> str:
-        parts = ["DDP" if self.zero == 0 else f"ZeRO-{self.zero}"]
+        parts = ["FSDP2" if self.engine == "fsdp2" else "DDP" if self.zero == 0 else f"ZeRO-{self.zero}"]
         parts += [f"{k.upper()}{v}" for k, v in (("sp", self.sp), ("tp", self.tp), ("cp", self.cp)) if v > 1]
         if self.lora_rank:
             parts.append(f"{'QLoRA' if self.base_bits == 4 else 'LoRA'}-r{self.lora_rank}")

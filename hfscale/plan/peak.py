@@ -220,5 +220,6 @@ def untraceable(s) -> str | None:
 def for_strategy(config, s, grad_accum: int = 1, kernels: str = "cpu") -> dict:
     """`step_prediction` for a planner `Strategy`."""
     return step_prediction(config, s.micro_batch, s.seq_len, s.precision, s.attention, s.checkpointing,
-                           s.lora_rank, grad_accum, s.zero, s.dp, s.offload, kernels=kernels)
+                           s.lora_rank, grad_accum, s.zero, s.dp, s.offload, engine=getattr(s, "engine", "auto"),
+                           kernels=kernels)
 __all__ = ["cache_dir", "cached_trace", "for_strategy", "step_prediction", "trace_precision", "untraceable"]

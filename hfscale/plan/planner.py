@@ -63,7 +63,7 @@ def parse_size(text: str) -> int:
 def cost(layers: int, s: Strategy, max_micro_tokens: int) -> float:
     c = 1.0
     c += (1 / 3) * len(checkpointed_layers(s.checkpointing, layers)) / layers
-    c += 0.10 if s.zero == 3 else 0.0
+    c += 0.10 if s.zero == 3 or s.engine == "fsdp2" else 0.0  # parameter all-gathers (FSDP2's as ZeRO-3's)
     c += {"none": 0.0, "cpu": 0.5, "nvme": 1.0}[s.offload]
     c += 0.05 * math.log2(max_micro_tokens / (s.micro_batch * s.seq_len // (s.sp * s.cp)))
     c += 0.10 * math.log2(s.sp * s.cp) + 0.15 * math.log2(s.tp)
@@ -101,12 +101,12 @@ class Candidate:
         s = self.strategy
         return {"strategy": s.label, "zero": s.zero, "offload": s.offload, "checkpointing": s.checkpointing,
                 "precision": s.precision, "micro_batch": s.micro_batch, "grad_accum": self.grad_accum, "dp": s.dp,
-                "sp": s.sp, "tp": s.tp, "cp": s.cp, "prediction": self.prediction.to_dict(), "cost": self.cost,
+                "sp": s.sp, "tp": s.tp, "cp": s.cp, "engine": s.engine, "prediction": self.prediction.to_dict(), "cost": self.cost,
                 "peak_bytes": self.peak_bytes, "cpu_bytes_per_node": self.cpu_bytes_per_node, "fits": self.fits,
                 "peak_source": self.prediction.source}
 
 
-_STRATEGY_FIELDS = ("zero", "offload", "checkpointing", "micro_batch", "dp", "sp", "tp", "cp", "precision")
+_STRATEGY_FIELDS = ("zero", "offload", "checkpointing", "micro_batch", "dp", "sp", "tp", "cp", "precision", "engine")
 
 
 def judge(s: Strategy, grad_accum: int, pred: Prediction, hw: Hardware, cost_: float, known_not_to_fit: bool = False) -> Candidate:
@@ -206,6 +206,12 @@ def _strategies(hw, seq_len, global_batch_tokens, precision, attention, layers, 
                     out.append((Strategy(zero=zero, dp=dp, precision=precision, offload=offload, checkpointing=ckpt,
                                          micro_batch=micro, seq_len=seq_len, attention=attention, sp=sp, tp=tp, cp=cp),
                                 per_step_seqs // micro))
+    if sp * tp * cp == 1:  # FSDP2 (accelerate's fully_shard path), with or without CPU offload of its shards
+        for offload in ("none", "cpu"):
+            for ckpt in ckpt_modes:
+                for micro in micros:
+                    out.append((Strategy(dp=dp, precision=precision, offload=offload, checkpointing=ckpt, micro_batch=micro,
+                                         seq_len=seq_len, attention=attention, engine="fsdp2"), per_step_seqs // micro))
     return out
 
 
@@ -229,11 +235,15 @@ def to_scale_spec(row: Candidate, hw: Hardware, name: str = "plan"):
 
     off = row.offload
     par = Parallel(sp=row.sp, tp=row.tp, cp=row.cp, sp_attention="flash_attention_2" if row.sp > 1 else "sdpa")
+    launch = Launch(num_processes=hw.world, num_machines=hw.nodes,
+                    main_process_ip="MAIN_NODE_ADDRESS" if hw.nodes > 1 else None)
+    if row.strategy.engine == "fsdp2":  # parameter offload is Zero.offload_params for both engines
+        return ScaleSpec(name, engine="fsdp2", zero=Zero(stage=3, offload_params=off) if off != "none" else Zero(stage=0),
+                         precision=row.precision, gradient_accumulation_steps=row.grad_accum,
+                         gradient_checkpointing=row.checkpointing, launch=launch, parallel=par)
     zero = Zero(stage=row.zero, offload_optimizer=off,
                 offload_params=off if (off != "none" and row.zero == 3) else "none",
                 nvme_path="/local_nvme/hfscale" if off == "nvme" else None)
-    launch = Launch(num_processes=hw.world, num_machines=hw.nodes,
-                    main_process_ip="MAIN_NODE_ADDRESS" if hw.nodes > 1 else None)
     engine = "deepspeed" if row.zero > 0 else "ddp"
     if par.tp > 1 or par.cp > 1:  # transformers TP / torch CP: FSDP2 (or DDP when TP spans the world)
         engine, zero = ("fsdp2", Zero(stage=0)) if row.zero == 3 else ("ddp", Zero(stage=0))
