@@ -113,8 +113,15 @@ def run(args) -> int:
         require("hfscale plan --plot", "plot")
     serving = None
     if args.inference:
-        serving = Serving(args.quant or "bf16", 1 if args.batch is None else args.batch, args.context,
-                          parse_size(args.ram_budget) if args.ram_budget is not None else None, args.routing_blocks)
+        budget = parse_size(args.ram_budget) if args.ram_budget is not None else None
+        routing = None
+        if args.routing_blocks is not None and args.routing_blocks < 0:
+            raise HfscaleError(f"--routing-blocks must be >= 0 (got {args.routing_blocks})")
+        if args.routing_blocks:  # measured by the experts runtime, then planned over
+            from ..experts.routing import calibration_routing
+
+            routing = calibration_routing(args.model, args.routing_blocks, budget)
+        serving = Serving(args.quant or "bf16", 1 if args.batch is None else args.batch, args.context, budget, routing)
     result = plan(args.model, args.seq_len, args.micro_batch, checkpointing=args.checkpointing, zero=args.zero,
                   offload=args.offload, dp=args.dp, precision=args.precision, optimizer=args.optimizer,
                   attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits, sp=args.sp, tp=args.tp,

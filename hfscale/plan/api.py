@@ -40,13 +40,11 @@ class Serving:
     batch: int = 1
     context: int | None = None
     ram_budget: int | None = None  # MoE: RAM for cached experts when streaming them (hfscale.experts)
-    routing_blocks: int | None = None  # MoE: measure routing on this many calibration blocks (a local model)
+    routing: object = None  # MoE: moe_serving.Routing measured on the model (hfscale.experts.calibration_routing)
 
     def __post_init__(self):
         if self.batch < 1 or (self.context is not None and self.context < 1):
             raise HfscaleError(f"--batch and --context must be at least 1 (got {self.batch}, {self.context})")
-        if self.routing_blocks is not None and self.routing_blocks < 0:
-            raise HfscaleError(f"--routing-blocks must be >= 0 (got {self.routing_blocks})")
 
 
 @dataclass(frozen=True)
@@ -273,7 +271,7 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
 
         inference = inference_bytes(d, serving.quant, serving.batch, serving.context or seq_len)
         moe = for_model(model, d, serving.quant, inference["kv_cache"], hardware.gpu_mem if hardware else None,
-                        serving.ram_budget, serving.routing_blocks)
+                        serving.ram_budget, serving.routing, serving.routing is not None)
     rows, best, nothing = (), None, None
     if hardware is not None:
         tokens = global_batch_tokens or micro_batch * seq_len * hardware.world

@@ -236,27 +236,12 @@ def lines(p: MoEServing) -> list[str]:
 
 
 def for_model(model: str, d: Dims, quant: str, kv_cache_bytes: int, gpu_mem: int | None, ram_budget: int | None = None,
-              routing_blocks: int | None = None) -> MoEServing | None:
-    """`hfscale plan --inference`'s MoE section: None for a dense model (and its MoE-only flags refused);
-    `--routing-blocks N` measures routing on N calibration blocks of the built-in corpus with the model's
-    own weights (a local directory), its experts streamed through hfscale.experts under --ram-budget."""
-    budget = ram_budget
+              routing: Routing | None = None, routing_asked: bool = False) -> MoEServing | None:
+    """`hfscale plan --inference`'s MoE section: None for a dense model (and its MoE-only settings refused).
+    `routing`: statistics measured on the model (hfscale.experts.calibration_routing); None: uniform routing."""
     if not any(ld.moe for ld in d.per_layer):
-        given = [f for f, v in (("--ram-budget", ram_budget), ("--routing-blocks", routing_blocks)) if v]
+        given = [f for f, v in (("--ram-budget", ram_budget), ("--routing-blocks", routing_asked)) if v]
         if given:
             raise HfscaleError(f"{given[0]} is for mixture-of-experts models and {model} has none; drop {given[0]}")
         return None
-    routing = None
-    if routing_blocks:
-        from ..compress.evaluate import calibration_blocks
-        from ..experts import from_pretrained
-        from ..models import load_tokenizer
-
-        tok = load_tokenizer(model)
-        streamed = 3 * d.hidden * d.moe_intermediate * d.experts * sum(1 for ld in d.per_layer if ld.moe) * 4
-        streaming = from_pretrained(model, ram_budget=budget or max(streamed // 4, 4 * d.top_k * 3 * d.hidden * d.moe_intermediate * 4))
-        try:
-            routing = measure_routing(streaming, calibration_blocks(tok, n=routing_blocks, seq_len=128))
-        finally:
-            streaming.hfscale_experts.close()
-    return plan(d, quant, kv_cache_bytes, budget, routing, gpu_mem)
+    return plan(d, quant, kv_cache_bytes, ram_budget, routing, gpu_mem)
