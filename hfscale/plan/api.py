@@ -22,6 +22,7 @@ over it without tracing again (peak.py's cache).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from ..errors import HfscaleError
@@ -164,7 +165,6 @@ def _cached_step(model: str, s: Strategy, grad_accum: int, kernels: str, compute
     import json
     from dataclasses import asdict
     from importlib.metadata import version
-    from pathlib import Path
 
     from ..cache import cache_root, cached_json
     from .shape import _source_bytes
@@ -175,11 +175,20 @@ def _cached_step(model: str, s: Strategy, grad_accum: int, kernels: str, compute
         source = None
     if source is None:
         return compute()
-    root = Path(__file__).resolve().parent.parent
-    code = b"".join(f.read_bytes() for f in sorted((root / "plan").glob("*.py")) + [root / "models.py", root / "checkpointing.py"])
     key = json.dumps([asdict(s), grad_accum, kernels, version("torch"), version("transformers"), STEP_FORMAT], sort_keys=True)
-    digest = hashlib.sha256(source + code + key.encode()).hexdigest()[:32]
+    digest = hashlib.sha256(source + _code_digest() + key.encode()).hexdigest()[:32]
     return cached_json(cache_root() / "steps" / f"{digest}.json", compute, lambda v: v["peak"])
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> bytes:
+    """The hfscale code a step prediction comes from (a change is a new cache key, never a stale answer)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted((root / "plan").glob("*.py")) + [root / "models.py", root / "checkpointing.py"]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).digest()
 
 
 def _analytic(d, s: Strategy) -> dict:
