@@ -85,7 +85,6 @@ NOISE = ("Failed to load", "W1", "W0", "[20")
 
 @pytest.mark.parametrize("args, needle", [
     (["zero3", "--sp", "3"], "--num-processes 6"),
-    (["zero3", "--sp", "2", "--model", "gemma-4-31b"], "AmbiguousGlobalPerLayerAttributeError"),
     (["fsdp2", "--tp", "8", "--num-processes", "16", "--model", "gemma-4-31b"], "set tp to one of 1, 2, 4"),
     (["fsdp2", "--cp", "2", "--model", "gemma-3-27b"], "set cp 1"),
 ])
@@ -232,10 +231,12 @@ def test_plan_json_carries_sp_tp_cp_and_write_emits_parallelism(tmp_path, cli):
 
 
 def test_plan_gemma4_256k_says_by_how_much_nothing_fits(cli):
+    """Without the long-context levers (hfscale.plan.long_context, not yet candidates): Ulysses SP is planned for
+    Gemma 4 now (hfscale.scale.ulysses.per_layer_heads) and its smallest candidate is still over 80 GB."""
     r = cli("plan", "--model", "gemma-4-31b", "--seq-len", "262144", "--micro-batch", "1", "--gpus-per-node", "8",
             "--nodes", "4", "--gpu-mem", "80GB")
     assert r.returncode == 1, r.stderr
-    assert "nothing fits" in r.stdout and "GB over 80 GB" in r.stdout and "sequence parallel is no candidate" in r.stdout
+    assert "nothing fits" in r.stdout and "GB over 80 GB" in r.stdout and "(ZeRO-3 SP8 +cpu ckpt:full mb1)" in r.stdout
 
 
 @pytest.mark.parametrize("args, needle", [

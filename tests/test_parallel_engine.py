@@ -40,7 +40,9 @@ def _sp(configs, tmp_path, *extra):
 
 
 def test_ulysses_sp_halves_each_sequence_and_equals_one_process(configs, tmp_path):
-    reports = _sp(configs, tmp_path / "fixed", "--window-sdpa")
+    """Gemma 3 through accelerate's prepare, then (same launch, same SP group) the small Gemma 4 whose layers differ
+    in K/V heads and head size, through hfscale.scale.ulysses' per-shape Ulysses attention."""
+    reports = _sp(configs, tmp_path / "fixed", "--window-sdpa", "--gemma4")
     assert [r["rank"] for r in reports] == [0, 1]
     for r in reports:
         assert (r["world"], r["accelerate_num_processes"], r["sp"], r["zero_stage"]) == (2, 2, 2, 3)
@@ -54,6 +56,11 @@ def test_ulysses_sp_halves_each_sequence_and_equals_one_process(configs, tmp_pat
             # tensors halve; the window mask of the gathered sequence does not)
             assert 0.40 < s["saved_bytes"] / r["reference_saved_bytes_one_sequence"] < 0.60
         assert r["grad_max_abs_diff"] <= TOL < r["grad_max_abs"]
+        g4 = r["gemma4"]  # sliding layers 4 q / 2 K/V heads of 32, global 4 / 1 (replicated to 2 ranks) of 64
+        assert g4["head_shapes"] == [[4, 1, 64], [4, 2, 32]]
+        assert g4["positions"] == [r["sp_rank"] * S // 2, (r["sp_rank"] + 1) * S // 2]
+        assert g4["logits_max_abs_diff"] <= TOL and g4["losses"] == pytest.approx(g4["reference_losses"], abs=TOL)
+        assert g4["grad_max_abs_diff"] <= TOL < g4["grad_max_abs"]
 
 
 def test_ulysses_sdpa_drops_the_sliding_window_and_the_proof_catches_it(configs, tmp_path):
