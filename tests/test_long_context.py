@@ -116,3 +116,37 @@ def test_fake_trace_of_a_tiled_step_equals_memtracker_on_a_real_one():
     for ph in ("forward", "backward", "optimizer"):
         assert real[ph].bytes <= traced[ph].bytes <= real[ph].bytes * 1.02, ph
     assert traced["forward"].bytes < 0.85 * plain["forward"].bytes  # the levers are seen: 108.6 -> 69.1 MB
+
+
+def _llama_8b():
+    from transformers import LlamaConfig
+
+    from hfscale.plan.dims import dims_from_config
+
+    return dims_from_config(LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                        tie_word_embeddings=False))
+
+
+def test_plan_llama_8b_at_524288_tokens_on_one_80gb_gpu_with_the_levers():
+    """ALST's headline single-GPU case, from the pure functions of hfscale.plan.long_context: ZeRO-3 with the
+    weights and optimizer in host memory, full checkpointing; without the levers 584.6 GB per GPU, with them
+    67.1 GB (the fp32 logits 269 GB and the layer's MLP intermediates 60 GB gone, 154.6 GB of activations in host
+    memory beside 144.5 GB of offloaded model states)."""
+    from dataclasses import replace
+
+    from hfscale.plan.long_context import alst_levers, fits, lever_prediction, longest_sequence
+    from hfscale.plan.memory import Strategy
+    from hfscale.plan.planner import Hardware, peak_bytes
+    from hfscale.scale.long_context import Levers
+
+    d = _llama_8b()
+    s = Strategy(zero=3, dp=1, offload="cpu", checkpointing="full", seq_len=524288)
+    levers = alst_levers(d, s)
+    assert (levers.tiled_loss, levers.tiled_mlp) == (251, 128)  # 1 GiB of fp32 logits; 4,096-token MLP slices
+    with_levers, without = lever_prediction(d, s, levers), lever_prediction(d, s, Levers())
+    assert peak_bytes({"total": with_levers.total}) <= 80e9 < peak_bytes({"total": without.total})
+    assert with_levers.changes["logits_saved"] == -4 * 524288 * 128256
+    assert with_levers.host_bytes_per_rank > 150e9 and fits(with_levers, 80 * 10**9, 512 * 10**9, 1)
+    assert 1.0 < with_levers.time_factor < 1.1  # lm_head and MLP forwards again, host copies at 25 GB/s
+    assert longest_sequence(d, Hardware(1, 1, 80 * 10**9), lambda S: replace(s, seq_len=S), levers) >= 524288
