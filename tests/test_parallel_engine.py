@@ -123,9 +123,11 @@ def test_sp_and_tp_through_accelerate_on_two_gpus(configs, tmp_path):
 
 
 def test_recipe_trains_under_sp_as_under_zero3(configs, tmp_path):
-    """recipes/train_clm.py with the accelerate YAML swapped for the SP one, nothing else: the same losses as
-    ZeRO-3 data parallel on the same sequences (measured over 6 steps: max |Δloss| 6.0e-7, eval ppl 1416.20 vs
-    1416.19). Sequences of 128 tokens, twice the sliding window, so the window fix is exercised."""
+    """recipes/train_clm.py with the accelerate YAML swapped for the SP one, and ALST's three levers switched on
+    (tiled loss and MLP in 4 slices of each rank's 64 tokens, activations through save_on_cpu; the recipe's
+    every:2 checkpointing): the same losses as plain ZeRO-3 data parallel on the same sequences (measured over 6
+    steps without the levers: max |Δloss| 6.0e-7, eval ppl 1416.20 vs 1416.19; with them over 2 steps: see TOL).
+    Sequences of 128 tokens, twice the sliding window, so the window fix is exercised."""
     root = Path(__file__).resolve().parents[1]
     from conftest import run_cli
 
@@ -138,9 +140,12 @@ def test_recipe_trains_under_sp_as_under_zero3(configs, tmp_path):
                "--num_processes", "2", "--main_process_port", str(free_port()), str(root / "recipes" / "train_clm.py"),
                "--config", str(root / "recipes" / "tiny" / "train.yaml"), "--max-steps", "2", "--eval-every", "2",
                "--save-every", "2", "--output-dir", str(out), "--precision", "fp32", "--progress", "false"]
+        if name == "sp2":
+            cmd += ["--tiled-loss", "4", "--tiled-mlp", "4", "--offload-activations", "true"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
         assert r.returncode == 0, r.stderr[-2000:]
         losses[name] = [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
         if name == "sp2":  # one SP group of 2 ranks reads one data-parallel share
             assert "× 1 ranks × 128" in r.stdout
+            assert "tiled MLP x4 on 4 layers, tiled logits+loss x4, checkpointed activations in host memory" in r.stdout
     assert len(losses["sp2"]) == 3 and losses["sp2"] == pytest.approx(losses["z3"], abs=TOL)

@@ -110,9 +110,16 @@ def tile_mlp_(model, tiles: int) -> int:
 
 # --- tiled logits + loss -----------------------------------------------------------------------------------
 
-def tiled_loss_sum(lm_head, hidden, shift_labels, tiles: int, softcap: float | None = None):
+def tiled_loss_sum(lm_head, hidden, shift_labels, tiles: int, softcap: float | None = None, tied=()):
     """Sum of next-token cross-entropy (fp32, ignore_index -100) over hidden [B, S, h] and shift_labels [B, S],
-    through DeepSpeed's sequence_tiled_compute in `tiles` slices; differentiable in `hidden` and lm_head."""
+    through DeepSpeed's sequence_tiled_compute in `tiles` slices; differentiable in `hidden` and lm_head.
+
+    `tied`: lm_head parameters also used elsewhere (Gemma's embedding). sequence_tiled_compute runs a backward per
+    slice inside the outer one and tells ZeRO (`ds_grad_is_ready`) to reduce the weight's gradient after the last
+    slice; a tied weight then gets its embedding gradient after that reduction (ZeRO-2 stops: "has already been
+    reduced"; ZeRO-3 went on with a wrong gradient: the step-2 loss off by 9e-4, measured on 2 CPU ranks). Such a
+    weight is kept not-ready through every slice and made ready once the hidden states' gradient exists, so ZeRO
+    reduces it once, at its last use in backward (the embedding), with both contributions summed."""
     import torch
     from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
 
@@ -123,7 +130,17 @@ def tiled_loss_sum(lm_head, hidden, shift_labels, tiles: int, softcap: float | N
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  ignore_index=-100, reduction="sum")
 
-    params = [p for p in lm_head.parameters()]
+    tied_ids = {id(p) for p in tied}
+    params = [p for p in lm_head.parameters() if id(p) not in tied_ids]
+    if tied and hidden.requires_grad and torch.is_grad_enabled():
+        for p in tied:
+            p.ds_grad_is_ready = False
+
+        def ready(grad):
+            for p in tied:
+                p.ds_grad_is_ready = True
+
+        hidden.register_hook(ready)
     return sequence_tiled_compute(slice_loss, hidden.shape[1], tiles, {"hidden": hidden, "labels": shift_labels}, {},
                                   "hidden", params, output_unshard_dimension=0, output_reduction="sum")
 
@@ -135,6 +152,8 @@ def tile_loss_(model, tiles: int) -> None:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     base, head = model.get_decoder(), model.get_output_embeddings()
+    embedding = {id(p) for p in model.get_input_embeddings().parameters()}
+    tied = [p for p in head.parameters() if id(p) in embedding]
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     softcap = getattr(text, "final_logit_softcapping", None)
     original = model.forward
@@ -148,7 +167,7 @@ def tile_loss_(model, tiles: int) -> None:
         if shift_labels is None:  # next token of each position; the last has none (as transformers' loss)
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         count = (shift_labels != -100).sum()
-        loss = tiled_loss_sum(head, out.last_hidden_state, shift_labels, tiles, softcap) / count.clamp(min=1)
+        loss = tiled_loss_sum(head, out.last_hidden_state, shift_labels, tiles, softcap, tied) / count.clamp(min=1)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values)
 
     model.forward = forward
