@@ -150,3 +150,23 @@ def test_plan_llama_8b_at_524288_tokens_on_one_80gb_gpu_with_the_levers():
     assert with_levers.host_bytes_per_rank > 150e9 and fits(with_levers, 80 * 10**9, 512 * 10**9, 1)
     assert 1.0 < with_levers.time_factor < 1.1  # lm_head and MLP forwards again, host copies at 25 GB/s
     assert longest_sequence(d, Hardware(1, 1, 80 * 10**9), lambda S: replace(s, seq_len=S), levers) >= 524288
+
+
+def test_per_layer_heads_patches_deepspeed_only_for_models_whose_layers_differ():
+    """hfscale.scale.ulysses.per_layer_heads wraps DeepSpeed's registration for Gemma 4 only, and restores it (the
+    wrapped path itself runs in tests/test_parallel_engine.py's SP launch)."""
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers import AutoModelForCausalLM
+
+    from hfscale.models import tiny_config, tiny_gemma4_config
+    from hfscale.scale.ulysses import heterogeneous, per_layer_heads
+
+    original = UlyssesSPAttentionHF.__dict__["register_with_transformers"]
+    for config_fn, patched in ((tiny_config, False), (tiny_gemma4_config, True)):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config_fn())
+        assert heterogeneous(model.config) is patched
+        with per_layer_heads(model):
+            assert (UlyssesSPAttentionHF.__dict__["register_with_transformers"] is not original) is patched
+        assert UlyssesSPAttentionHF.__dict__["register_with_transformers"] is original
