@@ -54,16 +54,21 @@ def test_each_lever_equals_the_plain_step(family, ids):
 
     config_fn = {"gemma3": tiny_config, "gemma4": tiny_gemma4_config}[family]
     ref_losses, ref_grads, _ = _run(config_fn, Levers(), "full", ids)
-    for levers, ckpt in ((Levers(tiled_loss=4), "off"), (Levers(tiled_mlp=4), "off"), (Levers(tiled_mlp=4), "full"),
+    for levers, ckpt in ((Levers(tiled_loss=4), "off"), (Levers(tiled_mlp=4), "off"),
                          (Levers(offload_activations=True), "full"), (Levers(4, 4, True), "full")):
         losses, grads, offload = _run(config_fn, levers, ckpt, ids)
         assert losses == pytest.approx(ref_losses, abs=1e-5), levers
         assert set(grads) == set(ref_grads) and all(g is not None for g in grads.values())
         worst = max(float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads)
         assert worst <= 1e-6 < max(float(g.abs().max()) for g in ref_grads.values()), (levers, worst)
-        if levers.offload_activations:  # what a GPU host would hold: at least every checkpointed layer's input
-            c = config_fn()
-            assert offload.host_bytes >= MICRO * c.num_hidden_layers * S * c.hidden_size * 4
+        if levers.offload_activations:  # what a GPU host would hold, as the plan counts it (measured within 12 B)
+            from hfscale.plan.dims import dims_from_config
+            from hfscale.plan.long_context import lever_prediction
+            from hfscale.plan.memory import Strategy
+
+            s = Strategy(precision="fp32", seq_len=S, checkpointing=ckpt)
+            planned = lever_prediction(dims_from_config(config_fn()), s, levers).host_bytes_per_rank
+            assert abs(offload.host_bytes - MICRO * planned) <= 64, (offload.host_bytes, MICRO * planned)
 
 
 def test_tiled_loss_returns_no_logits_and_evaluation_is_unchanged(ids):
@@ -102,9 +107,10 @@ def test_lever_switches_are_validated_in_the_recipe_config(tmp_path):
 
 def test_fake_trace_of_a_tiled_step_equals_memtracker_on_a_real_one():
     """The planner's trace (hfscale.plan.trace, fake tensors) runs the same tiled loss + MLP as a real CPU step
-    measured by torch's MemTracker (tiny Gemma 3, 2 x 256 tokens, fp32, no checkpointing). Measured: forward and
-    backward +917,504 bytes (+0.97% / +0.91%) in the trace, all of it from the tiled loss (the tiled MLP alone is
-    exact to the byte; cause not found, the trace is never below); optimizer step exact."""
+    measured by torch's MemTracker (tiny Gemma 3, 2 x 256 tokens, fp32, no checkpointing): equal to the byte in
+    every phase (measured). With full checkpointing the trace is 196,608 bytes (+0.45%) above in forward, the gap
+    trace.py documents for checkpointing; a forward with use_cache=False showed a gap of the same kind (+3.1% at
+    1,024 tokens), which is why the tiled loss leaves use_cache as the model has it."""
     from hfscale.models import tiny_config
     from hfscale.plan.trace import measure_steps, trace_step
     from hfscale.scale.long_context import Levers
@@ -114,8 +120,8 @@ def test_fake_trace_of_a_tiled_step_equals_memtracker_on_a_real_one():
     traced = trace_step(tiny_config(), 2, S, "fp32", "sdpa", "off", levers=levers).phases(True)
     plain = trace_step(tiny_config(), 2, S, "fp32", "sdpa", "off").phases(True)
     for ph in ("forward", "backward", "optimizer"):
-        assert real[ph].bytes <= traced[ph].bytes <= real[ph].bytes * 1.02, ph
-    assert traced["forward"].bytes < 0.85 * plain["forward"].bytes  # the levers are seen: 108.6 -> 69.1 MB
+        assert traced[ph].bytes == real[ph].bytes, ph
+    assert traced["forward"].bytes < 0.85 * plain["forward"].bytes  # the levers are seen: 108.6 -> 70.8 MB
 
 
 def _llama_8b():

@@ -18,7 +18,10 @@ tokens, e = 2 (bf16) / 4 (fp32) bytes, V vocabulary, I MLP width, h hidden, n sl
     drops the same terms; one slice's intermediates and their gradients, 2 x (I-terms at t tokens), come back.
     Default n: ceil(T / h) (ALST: slices of `hidden` tokens, so a slice's [t x I] equals one weight matrix).
   activation offload: everything saved for backward outside the recomputed layer moves to host memory:
-    host = activations (per rank; x GPUs per node for the host); the GPU keeps one reloaded layer input e·T·h.
+    host = activations (per rank; x GPUs per node for the host), less the tiled loss's hidden states and labels
+    (e·T·h + 8T, held on the op's ctx where no saved-tensor hook sees them); the GPU keeps those and one reloaded
+    layer input e·T·h. (Measured on CPU: the adapter's host bytes equal this within 12 bytes, tiny Gemma 3 and
+    small Gemma 4, with and without the tiled loss.)
 
 Time model (relative to the same step without the lever; stated, not measured on GPUs):
   FLOPs per token of a forward: 2 x parameters + 4·S·q·d per layer (causal attention, half of 2 x 2·S·q·d);
@@ -111,6 +114,8 @@ def lever_prediction(d: Dims, s: Strategy, levers, pcie_gbps: float = 25.0, tflo
     host = 0
     if levers.offload_activations:
         saved = act["total"] + changes.get("logits_saved", 0) + changes.get("mlp_saved", 0)
+        if levers.tiled_loss:  # sequence_tiled_compute keeps its hidden states and labels on its ctx, not as saved
+            saved -= e * T * d.hidden + 8 * T  # tensors: the offload's hooks never see them, they stay on the GPU
         host = saved
         changes["offloaded"] = -saved
         changes["reloaded_layer_input"] = e * T * d.hidden
@@ -134,12 +139,14 @@ def fits(pred: LeverPrediction, gpu_mem: int, host_mem_per_node: int, gpus_per_n
 
 
 def longest_sequence(d: Dims, hw, strategy_at, levers, step: int = 65536, limit: int = 2**25) -> int:
-    """The longest multiple of `step` tokens whose `strategy_at(seq_len)` with `levers` fits `hw` (0 if none)."""
+    """The longest multiple of `step` tokens whose `strategy_at(seq_len)` with `levers` (Levers, or a function of
+    the strategy such as `alst_levers`, so that the slices follow the length) fits `hw` (0 if none)."""
     best, lo, hi = 0, 1, limit // step
     while lo <= hi:
         mid = (lo + hi) // 2
         s = strategy_at(mid * step)
-        if fits(lever_prediction(d, s, levers), hw.gpu_mem, hw.cpu_mem, hw.gpus_per_node):
+        lv = levers(d, s) if callable(levers) else levers
+        if fits(lever_prediction(d, s, lv), hw.gpu_mem, hw.cpu_mem, hw.gpus_per_node):
             best, lo = mid * step, mid + 1
         else:
             hi = mid - 1
