@@ -137,7 +137,7 @@ def _llama_8b():
 def test_plan_llama_8b_at_524288_tokens_on_one_80gb_gpu_with_the_levers():
     """ALST's headline single-GPU case, from the pure functions of hfscale.plan.long_context: ZeRO-3 with the
     weights and optimizer in host memory, full checkpointing; without the levers 584.6 GB per GPU, with them
-    67.1 GB (the fp32 logits 269 GB and the layer's MLP intermediates 60 GB gone, 154.6 GB of activations in host
+    71.9 GB (the fp32 logits 269 GB and the layer's MLP intermediates 60 GB gone, 150.3 GB of activations in host
     memory beside 144.5 GB of offloaded model states)."""
     from dataclasses import replace
 
