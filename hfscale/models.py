@@ -45,6 +45,21 @@ def tiny_config():
     )
 
 
+def tiny_gemma4_config():
+    """A small Gemma 4 text config (not a built-in name; tests and proofs build it) with what sets Gemma 4 apart
+    from uniform models, shaped like 31B: global layers with 1 K/V head of 64 against the sliding layers' 2 of
+    32 (AmbiguousGlobalPerLayerAttributeError for code reading one num_key_value_heads / head_dim), keys as
+    values there (attention_k_eq_v), sliding window 64, final logit soft-capping; the tiny tokenizer's vocabulary."""
+    from transformers import Gemma4TextConfig
+
+    S, F = "sliding_attention", "full_attention"
+    return Gemma4TextConfig(vocab_size=4096, vocab_size_per_layer_input=4096, hidden_size=128, intermediate_size=512,
+                            num_hidden_layers=4, layer_types=[S, F, S, F], num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
+                            hidden_size_per_layer_input=0, sliding_window=64, final_logit_softcapping=30.0,
+                            max_position_embeddings=2048, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
 BUILTIN = {TINY: tiny_config}
 
 

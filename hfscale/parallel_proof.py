@@ -31,6 +31,8 @@ def _parse(argv):
     p.add_argument("--seq-len", type=int, default=256, help="longer than the tiny model's sliding window (64)")
     p.add_argument("--sequences", type=int, default=2, help="sequences in the global batch (sp: per rank, accumulated)")
     p.add_argument("--window-sdpa", action="store_true", help="sp: hfscale.scale.ulysses.use_window_sdpa before prepare")
+    p.add_argument("--gemma4", action="store_true", help="sp: then the small Gemma 4 (hfscale.models.tiny_gemma4_config: "
+                   "head shapes differ by layer) over the same SP group through hfscale.scale.ulysses.per_shape_attention")
     p.add_argument("--steps", type=int, default=1, help="optimizer steps timed for tokens/s (the first is compared)")
     p.add_argument("--precision", default="fp32", help="accepted for hfscale.proof.launch; the proof runs fp32")
     return p.parse_args(argv)
@@ -46,13 +48,13 @@ def _data(seq_len: int, n: int):
     return blocks[:n].clone()
 
 
-def _model():
+def _model(config_fn=None):
     import torch
     from transformers import AutoModelForCausalLM
 
     from .models import tiny_config
 
-    cfg = tiny_config()
+    cfg = (config_fn or tiny_config)()
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -92,6 +94,11 @@ def run_sp(args) -> dict:
     ids = _data(args.seq_len, args.sequences)
     model = _model()
     ref = _reference(copy.deepcopy(model), ids)
+    if args.gemma4:  # built before prepare: ZeRO-3's prepare makes later from_config calls partition their weights
+        from .models import tiny_gemma4_config
+
+        g4 = _model(tiny_gemma4_config)
+        g4_ref = _reference(copy.deepcopy(g4), ids)
     if args.window_sdpa:
         use_window_sdpa()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -153,7 +160,45 @@ def run_sp(args) -> dict:
         report["tokens_per_s"] = tokens / (time.perf_counter() - t0)  # whole sequences per rank-group second
     report["reference_saved_bytes_one_sequence"] = ref["saved_bytes_one_sequence"]
     accelerator.wait_for_everyone()
+    if args.gemma4 and sp_on:
+        report["gemma4"] = _gemma4_sp(g4, g4_ref, ids, group)
     return report
+
+
+def _gemma4_sp(model, ref, ids, group) -> dict:
+    """The small Gemma 4 under Ulysses on this launch's SP group, without an engine (DeepSpeed's SP groups exist
+    once per process), model and reference made before prepare: transformers' "sdpa" becomes the window-aware
+    sdpa under hfscale.scale.ulysses' per_shape_attention, which per_layer_heads installs at accelerator.prepare. Each rank runs its slice of
+    every sequence; logits and loss are compared with the whole model's, and the gradients summed over the
+    group (each rank's backward carries the group's loss through sp_loss's all-reduce, hence / sp) with its."""
+    import torch
+    import torch.distributed as dist
+    from .scale.ulysses import install_per_shape_attention, sp_loss, use_window_sdpa
+
+    fn = install_per_shape_attention("sdpa", use_window_sdpa(), group, 1)
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    S = ids.shape[1]
+    lo, hi = rank * S // sp, (rank + 1) * S // sp
+    out = {"positions": [lo, hi], "logits_max_abs_diff": 0.0, "losses": [], "reference_losses": ref["losses"]}
+    model.train()
+    for i in range(len(ids)):
+        labels = torch.nn.functional.pad(ids[i:i + 1], (0, 1), value=-100)[:, 1:]
+        pos = torch.arange(lo, hi).unsqueeze(0)
+        o = model(input_ids=ids[i:i + 1, lo:hi], position_ids=pos)
+        loss = sp_loss(o.logits, labels[:, lo:hi], group)
+        (loss / len(ids)).backward()
+        out["logits_max_abs_diff"] = max(out["logits_max_abs_diff"],
+                                         float((o.logits.detach() - ref["logits"][i][:, lo:hi]).abs().max()))
+        out["losses"].append(float(loss))
+    worst, scale = 0.0, 0.0
+    for n, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=group)
+        worst = max(worst, float((g / sp - ref["grads"][n]).abs().max()))
+        scale = max(scale, float(ref["grads"][n].abs().max()))
+    out.update(grad_max_abs_diff=worst, grad_max_abs=scale,
+               head_shapes=sorted(list(k) for k in fn.instances))  # (q heads, K/V heads, head size) per instance
+    return out
 
 
 def run_tp(args) -> dict:

@@ -77,6 +77,8 @@ def train(cfg, force, pre, parallel) -> int:
     from hfscale.models import build_model, load_tokenizer
     from hfscale.scale.runtime import make_optimizer
     from hfscale.checkpointing import apply_checkpointing_
+    from hfscale.scale.long_context import apply_levers_, with_levers
+    from hfscale.scale.ulysses import per_layer_heads
     from hfscale.train.loop import evaluate, lm_loss, load_blocks, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint, save_final
@@ -112,13 +114,17 @@ def train(cfg, force, pre, parallel) -> int:
         if parallel.sp_attention == "sdpa":
             use_window_sdpa()
     layers = apply_checkpointing_(model, cfg.checkpointing, pre.launch.fsdp_checkpoints_all)
+    levers = apply_levers_(model, cfg.levers)  # long context: tiled loss / MLP (docs/long_context.md)
     optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    with per_layer_heads(model):  # Ulysses on layers of different head shapes (Gemma 4); else nothing
+        model, optimizer = accelerator.prepare(model, optimizer)
     if parallel.sp > 1:
-        loss_fn = sp_lm_loss(groups._get_sequence_parallel_group())
+        loss_fn = sp_lm_loss(groups._get_sequence_parallel_group(), tiled=bool(cfg.tiled_loss))
+    loss_fn = with_levers(loss_fn, cfg.levers, model)  # activation offload around the forward
     if main_rank:
         print(f"[train_clm] {cfg.model}: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} params, "
-              f"{len(train_blocks):,} train / {len(val_blocks)} eval sequences, checkpointed layers {layers or 'none'}")
+              f"{len(train_blocks):,} train / {len(val_blocks)} eval sequences, checkpointed layers {layers or 'none'}"
+              + (f"; {', '.join(levers)}" if levers else ""))
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config), "world": plan.world,

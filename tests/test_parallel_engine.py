@@ -40,7 +40,9 @@ def _sp(configs, tmp_path, *extra):
 
 
 def test_ulysses_sp_halves_each_sequence_and_equals_one_process(configs, tmp_path):
-    reports = _sp(configs, tmp_path / "fixed", "--window-sdpa")
+    """Gemma 3 through accelerate's prepare, then (same launch, same SP group) the small Gemma 4 whose layers differ
+    in K/V heads and head size, through hfscale.scale.ulysses' per-shape Ulysses attention."""
+    reports = _sp(configs, tmp_path / "fixed", "--window-sdpa", "--gemma4")
     assert [r["rank"] for r in reports] == [0, 1]
     for r in reports:
         assert (r["world"], r["accelerate_num_processes"], r["sp"], r["zero_stage"]) == (2, 2, 2, 3)
@@ -54,6 +56,11 @@ def test_ulysses_sp_halves_each_sequence_and_equals_one_process(configs, tmp_pat
             # tensors halve; the window mask of the gathered sequence does not)
             assert 0.40 < s["saved_bytes"] / r["reference_saved_bytes_one_sequence"] < 0.60
         assert r["grad_max_abs_diff"] <= TOL < r["grad_max_abs"]
+        g4 = r["gemma4"]  # sliding layers 4 q / 2 K/V heads of 32, global 4 / 1 (replicated to 2 ranks) of 64
+        assert g4["head_shapes"] == [[4, 1, 64], [4, 2, 32]]
+        assert g4["positions"] == [r["sp_rank"] * S // 2, (r["sp_rank"] + 1) * S // 2]
+        assert g4["logits_max_abs_diff"] <= TOL and g4["losses"] == pytest.approx(g4["reference_losses"], abs=TOL)
+        assert g4["grad_max_abs_diff"] <= TOL < g4["grad_max_abs"]
 
 
 def test_ulysses_sdpa_drops_the_sliding_window_and_the_proof_catches_it(configs, tmp_path):
@@ -116,9 +123,11 @@ def test_sp_and_tp_through_accelerate_on_two_gpus(configs, tmp_path):
 
 
 def test_recipe_trains_under_sp_as_under_zero3(configs, tmp_path):
-    """recipes/train_clm.py with the accelerate YAML swapped for the SP one, nothing else: the same losses as
-    ZeRO-3 data parallel on the same sequences (measured over 6 steps: max |Δloss| 6.0e-7, eval ppl 1416.20 vs
-    1416.19). Sequences of 128 tokens, twice the sliding window, so the window fix is exercised."""
+    """recipes/train_clm.py with the accelerate YAML swapped for the SP one, and ALST's three levers switched on
+    (tiled loss and MLP in 4 slices of each rank's 64 tokens, activations through save_on_cpu; the recipe's
+    every:2 checkpointing): the same losses as plain ZeRO-3 data parallel on the same sequences (measured over 6
+    steps without the levers: max |Δloss| 6.0e-7, eval ppl 1416.20 vs 1416.19; with them over 2 steps: see TOL).
+    Sequences of 128 tokens, twice the sliding window, so the window fix is exercised."""
     root = Path(__file__).resolve().parents[1]
     from conftest import run_cli
 
@@ -131,9 +140,12 @@ def test_recipe_trains_under_sp_as_under_zero3(configs, tmp_path):
                "--num_processes", "2", "--main_process_port", str(free_port()), str(root / "recipes" / "train_clm.py"),
                "--config", str(root / "recipes" / "tiny" / "train.yaml"), "--max-steps", "2", "--eval-every", "2",
                "--save-every", "2", "--output-dir", str(out), "--precision", "fp32", "--progress", "false"]
+        if name == "sp2":
+            cmd += ["--tiled-loss", "4", "--tiled-mlp", "4", "--offload-activations", "true"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
         assert r.returncode == 0, r.stderr[-2000:]
         losses[name] = [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
         if name == "sp2":  # one SP group of 2 ranks reads one data-parallel share
             assert "× 1 ranks × 128" in r.stdout
+            assert "tiled MLP x4 on 4 layers, tiled logits+loss x4, checkpointed activations in host memory" in r.stdout
     assert len(losses["sp2"]) == 3 and losses["sp2"] == pytest.approx(losses["z3"], abs=TOL)

@@ -190,5 +190,15 @@ def _lines(r) -> list[str]:
         out.append(f"  {'strategy':34} {'accum':>5} {'peak GB':>8} {'cost':>6}  fits")
         for c in r.candidates[:12]:
             out.append(f"  {c.label:34} {c.grad_accum:>5} {c.peak_bytes / 1e9:>8.1f} {c.cost:>6.2f}  {'yes' if c.fits else 'no'}")
-        out.append(f"\npick: {r.pick.label} (accum {r.pick.grad_accum})" if r.pick else f"\n{r.nothing_fits}")
+        if r.pick:
+            b = r.pick
+            out.append(f"\npick: {b.label} (accum {b.grad_accum}): {b.peak_bytes / 1e9:.1f} GB per GPU, "
+                       f"{b.cpu_bytes_per_node / 1e9:.1f} GB of host memory per node")
+            if "levers" in b.prediction.extra:
+                lv = b.prediction.extra["levers"]
+                out.append(f"  long-context levers: tiled_loss {lv['tiled_loss']} slices, tiled_mlp {lv['tiled_mlp']} slices, "
+                           f"offload_activations {str(lv['offload_activations']).lower()}; step time x"
+                           f"{b.prediction.extra['time_factor']:.2f} (hfscale/plan/long_context.py's time model)")
+        else:
+            out.append(f"\n{r.nothing_fits}")
     return out

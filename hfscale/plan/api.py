@@ -191,14 +191,41 @@ def _code_digest() -> bytes:
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).digest()
 
 
+LEVERS_WHY = ("long-context levers, planned analytically (hfscale.plan.long_context: its tiled steps equal the traced and "
+              "the measured CPU steps at 512-2,048 tokens, benchmarks/results/long_context.md)")
+
+
+def _lever_candidates(d, hw: Hardware, seq_len: int, tokens: int, precision: str, attention: str, sizes,
+                      layers: int) -> list[Candidate]:
+    """ALST's levers over ZeRO-3 + full checkpointing (planner.lever_strategies), each predicted by
+    plan/long_context.py; the cost adds the step time the levers add (their recompute and host copies)."""
+    from .long_context import alst_levers, lever_prediction
+    from .planner import cost, judge, lever_strategies
+
+    out = []
+    todo = lever_strategies(hw, seq_len, tokens, precision, attention, sizes)
+    max_tokens = max((s.micro_batch * seq_len // s.sp for s, _ in todo), default=1)
+    for s, accum in todo:
+        base = replace(s, levers="none")
+        levers = alst_levers(d, base, offload=s.levers.endswith("offload"))
+        lp = lever_prediction(d, base, levers)
+        terms = {k: lp.base[k] for k in ("weights", "gradients", "optimizer", "activations", "recompute_working",
+                                         "zero3_live")}
+        pred = Prediction("analytic", lp.total, d.params, d.params, lp.base["offloaded_per_rank"] + lp.host_bytes_per_rank,
+                          breakdown={**{k: v for k, v in terms.items() if v}, **lp.changes}, terms=terms,
+                          not_traced=LEVERS_WHY,
+                          extra={"levers": {"tiled_loss": levers.tiled_loss, "tiled_mlp": levers.tiled_mlp,
+                                            "offload_activations": levers.offload_activations},
+                                 "host_activations_per_rank": lp.host_bytes_per_rank, "time_factor": lp.time_factor})
+        out.append(judge(s, accum, pred, hw, round(cost(layers, base, max_tokens) + lp.time_factor - 1, 4)))
+    return out
+
+
 def _analytic(d, s: Strategy) -> dict:
     """The analytic terms; FSDP2 (fully sharded parameters, gradients and optimizer) takes ZeRO-3's."""
-    from .memory import predict
-    from .parallel import predict_parallel
+    from .parallel import analytic
 
-    if s.engine == "fsdp2":
-        s = replace(s, engine="auto", zero=3)
-    return predict_parallel(d, s) if s.sp * s.tp * s.cp > 1 else predict(d, s)
+    return analytic(d, replace(s, engine="auto", zero=3) if s.engine == "fsdp2" else s)
 
 
 def _parallel(sp, tp, cp, hw: Hardware | None, heads, model: str, seq_len: int):
@@ -296,6 +323,10 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
             predict.method = "fast"
             rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, period=period)
         best = pick(rows)
+        if best is None and d is not None:  # the long-context levers, where nothing else fits
+            rows = rows + _lever_candidates(d, hardware, seq_len, tokens, precision, attention, sizes, shape.layers)
+            rows.sort(key=lambda r: (not r.fits, r.cost, r.peak_bytes))
+            best = pick(rows)
         if best is None:
             nothing = shortfall(rows, hardware) + _no_sp_note(shape.heads, sp, sizes)
         rows = tuple(rows)

@@ -69,6 +69,7 @@ from .dims import Dims
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4}
 CUDA_CONTEXT_BYTES = 512 * 2**20
+LEVERS = ("none", "tiled", "tiled+offload")  # ALST's long-context levers as the planner considers them
 FRAGMENTATION = 0.10
 
 
@@ -89,6 +90,7 @@ class Strategy:
     tp: int = 1  # tensor parallel (transformers tp_plan)
     cp: int = 1  # context parallel (torch, FSDP2)
     engine: str = "auto"  # auto: DDP at ZeRO 0, DeepSpeed at 1-3 | fsdp2: torch fully_shard through accelerate
+    levers: str = "none"  # long context (ALST): none | tiled (logits + loss, MLP) | tiled+offload (+ activations to host)
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -113,6 +115,8 @@ class Strategy:
             raise HfscaleError(str(e)) from None
         if min(self.sp, self.tp, self.cp) < 1 or (self.sp > 1 and self.cp > 1):
             raise HfscaleError("--sp, --tp and --cp must be at least 1, and --sp and --cp exclude each other")
+        if self.levers not in LEVERS:
+            raise HfscaleError(f"levers must be one of {', '.join(LEVERS)} (got {self.levers!r})")
         if self.engine not in ("auto", "fsdp2"):
             raise HfscaleError(f"--engine must be auto or fsdp2 (got {self.engine!r})")
         if self.engine == "fsdp2" and (self.zero or self.offload == "nvme" or self.sp > 1):
@@ -127,6 +131,8 @@ class Strategy:
             parts.append(f"{'QLoRA' if self.base_bits == 4 else 'LoRA'}-r{self.lora_rank}")
         if self.offload != "none":
             parts.append(f"+{self.offload}")
+        if self.levers != "none":
+            parts.append(f"+{self.levers.replace('offload', 'act-offload')}")
         parts.append(f"ckpt:{self.checkpointing}")
         parts.append(f"mb{self.micro_batch}")
         return " ".join(parts)

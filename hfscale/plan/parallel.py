@@ -96,6 +96,13 @@ def predict_parallel(d: Dims, s: Strategy) -> dict:
     }
 
 
+def analytic(d: Dims, s: Strategy) -> dict:
+    """The analytic terms of any strategy: `predict_parallel` with sp / tp / cp, else `memory.predict`."""
+    from .memory import predict
+
+    return predict_parallel(d, s) if s.sp * s.tp * s.cp > 1 else predict(d, s)
+
+
 def parallel_options(config, hw, seq_len: int, sp=None, tp=None, cp=None) -> list[tuple[int, int, int]]:
     """(sp, tp, cp) combinations to plan for `hw`: the sizes asked for, or every power of two within one node
     that the model allows (hfscale.scale.parallel's checks, assuming flash attention on GPUs for SP)."""

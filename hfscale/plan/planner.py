@@ -70,9 +70,9 @@ def cost(layers: int, s: Strategy, max_micro_tokens: int) -> float:
     return round(c, 4)
 
 
-def peak_bytes(pred: Prediction) -> int:
-    """Predicted peak with the stated overheads: the prediction's peak x (1 + fragmentation) + CUDA context."""
-    return int(pred.peak * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
+def peak_bytes(peak: int) -> int:
+    """A predicted peak with the stated overheads: peak x (1 + fragmentation) + CUDA context."""
+    return int(peak * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
 
 
 @dataclass(frozen=True)
@@ -101,17 +101,18 @@ class Candidate:
         s = self.strategy
         return {"strategy": s.label, "zero": s.zero, "offload": s.offload, "checkpointing": s.checkpointing,
                 "precision": s.precision, "micro_batch": s.micro_batch, "grad_accum": self.grad_accum, "dp": s.dp,
-                "sp": s.sp, "tp": s.tp, "cp": s.cp, "engine": s.engine, "prediction": self.prediction.to_dict(), "cost": self.cost,
+                "sp": s.sp, "tp": s.tp, "cp": s.cp, "engine": s.engine, "levers": s.levers, "prediction": self.prediction.to_dict(), "cost": self.cost,
                 "peak_bytes": self.peak_bytes, "cpu_bytes_per_node": self.cpu_bytes_per_node, "fits": self.fits,
                 "peak_source": self.prediction.source}
 
 
-_STRATEGY_FIELDS = ("zero", "offload", "checkpointing", "micro_batch", "dp", "sp", "tp", "cp", "precision", "engine")
+_STRATEGY_FIELDS = ("zero", "offload", "checkpointing", "micro_batch", "dp", "sp", "tp", "cp", "precision", "engine",
+                    "levers")
 
 
 def judge(s: Strategy, grad_accum: int, pred: Prediction, hw: Hardware, cost_: float, known_not_to_fit: bool = False) -> Candidate:
-    peak = peak_bytes(pred)
-    cpu = pred.offloaded_per_rank * hw.gpus_per_node if s.offload == "cpu" else 0
+    peak = peak_bytes(pred.peak)
+    cpu = pred.offloaded_per_rank * hw.gpus_per_node if s.offload == "cpu" or s.levers.endswith("offload") else 0
     return Candidate(s, grad_accum, pred, cost_, peak, cpu, not known_not_to_fit and peak <= hw.gpu_mem and cpu <= hw.cpu_mem)
 
 
@@ -180,6 +181,27 @@ def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, la
     return sorted(rows, key=lambda r: (not r.fits, r.cost, r.peak_bytes))
 
 
+def lever_strategies(hw: Hardware, seq_len: int, global_batch_tokens: int, precision: str, attention: str,
+                     parallel) -> list[tuple[Strategy, int]]:
+    """Long-context candidates for when nothing else fits: ALST's levers (tiled logits + loss and MLP, with and
+    without activation offload) over ZeRO-3 with full checkpointing, with and without CPU offload of the model
+    states, at the smallest micro batch, for every sequence-parallel size planned (plain data parallelism too)."""
+    out = []
+    for sp, tp, cp in parallel:
+        if tp > 1 or cp > 1:
+            continue
+        dp = hw.world // sp
+        per_step_seqs = global_batch_tokens // (seq_len * dp)
+        if per_step_seqs < 1:
+            continue
+        for offload in ("none", "cpu"):
+            for levers in ("tiled", "tiled+offload"):
+                out.append((Strategy(zero=3, dp=dp, precision=precision, offload=offload, checkpointing="full",
+                                     micro_batch=1, seq_len=seq_len, attention=attention, sp=sp, levers=levers),
+                            per_step_seqs))
+    return out
+
+
 def _strategies(hw, seq_len, global_batch_tokens, precision, attention, layers, period, sp, tp, cp) -> list[tuple[Strategy, int]]:
     dp = hw.world // (sp * tp * cp)
     per_step_seqs, rem = divmod(global_batch_tokens, seq_len * dp)
@@ -223,6 +245,11 @@ def pick(rows: list[Candidate]) -> Candidate | None:
 def shortfall(rows: list[Candidate], hw: Hardware) -> str:
     """What to say when nothing fits: by how much the smallest candidate is over, and what would fit."""
     best = min(rows, key=lambda r: r.peak_bytes)
+    if best.peak_bytes <= hw.gpu_mem:  # within the GPU, over the host: offloaded states / activations
+        host = min((r for r in rows if r.peak_bytes <= hw.gpu_mem), key=lambda r: r.cpu_bytes_per_node)
+        return (f"nothing fits: {host.label} fits the GPU ({host.peak_bytes / 1e9:.1f} GB) but needs "
+                f"{host.cpu_bytes_per_node / 1e9:.0f} GB of host memory per node, over {hw.cpu_mem / 1e9:.0f} GB; "
+                "give the nodes' real host memory (--cpu-mem) or more nodes")
     over = best.peak_bytes - hw.gpu_mem
     return (f"nothing fits: the smallest candidate ({best.label}) needs {best.peak_bytes / 1e9:.1f} GB per GPU, "
             f"{over / 1e9:.1f} GB over {hw.gpu_mem / 1e9:.0f} GB; it would fit on GPUs with >= {best.peak_bytes / 1e9:.0f} GB, "
@@ -252,4 +279,4 @@ def to_scale_spec(row: Candidate, hw: Hardware, name: str = "plan"):
                      gradient_checkpointing=row.checkpointing, launch=launch, parallel=par)
 
 
-__all__ = ["Candidate", "Hardware", "candidates", "judge", "peak_bytes", "pick", "shortfall", "parse_size", "to_scale_spec"]
+__all__ = ["Candidate", "Hardware", "candidates", "judge", "lever_strategies", "peak_bytes", "pick", "shortfall", "parse_size", "to_scale_spec"]

@@ -252,12 +252,16 @@ def _state_bytes(opt) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw="fused"):
+def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw="fused", levers=None):
     import torch
 
     from ..checkpointing import apply_checkpointing_
 
     apply_checkpointing_(model, checkpointing)
+    if levers is not None:  # long-context tiling (hfscale.scale.long_context); the offload is not traced here
+        from ..scale.long_context import apply_levers_
+
+        apply_levers_(model, levers)
     model.train()
     opt = _Optimizer(model, precision, adamw)
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
@@ -282,7 +286,7 @@ def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing
 
 def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                   checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, steps: int = 2,
-                  adamw: str = "fused") -> list[dict[str, PhasePeak]]:
+                  adamw: str = "fused", levers=None) -> list[dict[str, PhasePeak]]:
     """Run `steps` whole training steps for real (random weights) under the same tracker: each step's phase
     peaks, what `trace_step` is checked against. Run it first in a fresh process: a second real run in
     the same process was measured to count one hidden-state tensor fewer (2.25 MiB on the tiny Gemma)."""
@@ -294,7 +298,7 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
     config = copy.deepcopy(config)
     torch.manual_seed(0)
     model = _build(config, precision, attention, lora_rank)
-    opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw)
+    opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw, levers)
     out = []
     for _ in range(steps):
         micros, _ = _micro_steps(model, mt, ids, precision, grad_accum)
@@ -306,11 +310,13 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1,
                optimizer_only: bool = False, adamw: str = "fused", kernels: str = "cpu",
-               optimizer: bool = True) -> StepTrace:
+               optimizer: bool = True, levers=None) -> StepTrace:
     """Trace step 1 of training the model `config` describes on fake tensors, and the steady optimizer step.
     `optimizer_only` skips forward and backward (`micro` is empty): both optimizer steps then run on
     gradients shaped as backward makes them (used to scale a trace to full depth, `peak.py`); `optimizer=False`
     skips the optimizer steps (the shallower traces a scaled trace reads forward and backward from).
+    `levers`: hfscale.scale.long_context.Levers whose tiled loss / MLP the traced step runs (the offload
+    moves tensors to host memory, which a CPU trace cannot tell apart: hfscale.plan.long_context models it).
 
     Forward and backward are traced once: a steady step's differ from step 1's only by the optimizer
     states then alive (gradients are freed after each step). The optimizer step is traced twice (step 1
@@ -332,7 +338,7 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
             model = _build(config, precision, attention, lora_rank)
         with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm():
             opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
-                                  adamw)
+                                  adamw, levers)
             counts: Counter = Counter()
             with cuda_attention(counts) if kernels == "cuda" else contextlib.nullcontext():
                 micros, arrivals = (([], []) if optimizer_only

@@ -95,11 +95,14 @@ def model_problems(parallel, config, seq_len: int | None = None, window_sdpa: bo
                                    "the other, so Ulysses can neither split nor replicate them",
                                    f"set sp to one of {_divisors(kv)} or a multiple of {kv} that divides {h.q}"))
         if len(set(h.kv.values())) > 1 or len(set(h.head_dim.values())) > 1:
-            out.append(Problem("sp-mixed-heads", "error",
-                               f"layers differ in KV heads {h.kv} / head size {h.head_dim}; DeepSpeed 0.19.8's Ulysses sizes "
-                               "every layer from one num_key_value_heads / head_dim (on Gemma 4 transformers refuses that "
-                               "read: AmbiguousGlobalPerLayerAttributeError, measured at accelerator.prepare)",
-                               "use --sp 1 with --tp (if heads allow) or ZeRO-3 + checkpointing for this model"))
+            big = max(h.head_dim.values())
+            out.append(Problem("sp-mixed-heads", "warning",
+                               f"layers differ in KV heads {h.kv} / head size {h.head_dim}: DeepSpeed 0.19.8 sizes its one "
+                               "Ulysses attention from a single num_key_value_heads / head_dim (on Gemma 4 transformers "
+                               "refuses that read: AmbiguousGlobalPerLayerAttributeError at accelerator.prepare)"
+                               + (f"; flash_attention_2 takes head sizes up to 256, these layers have {big}" if big > 256 else ""),
+                               "use hfscale.scale.ulysses.per_layer_heads(model) around accelerator.prepare (recipes/"
+                               "train_clm.py does): one Ulysses attention per layer shape"))
         if h.sliding_window and parallel.sp_attention == "sdpa" and not window_sdpa:
             out.append(Problem("sp-sliding-window", "error",
                                f"Ulysses drops the attention mask, so under sdpa the sliding-window layers (window "

@@ -39,6 +39,14 @@ PRESETS: dict[str, ScaleSpec] = {
         ScaleSpec("multinode_zero3_sp4", zero=Zero(stage=3),
                   launch=Launch(num_processes=4 * GPUS, num_machines=4, main_process_ip="10.0.0.1", main_process_port=29500),
                   parallel=Parallel(sp=4, sp_attention="flash_attention_2")),
+        # very long context (ALST's levers, docs/long_context.md): ZeRO-3 with weights and optimizer in host memory,
+        # beside the offloaded activations; Ulysses over pairs of GPUs (recipes/gemma3/27b_sp2_128k.yaml launches 2)
+        ScaleSpec("zero3_offload_sp2", zero=Zero(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+                  launch=Launch(num_processes=GPUS), parallel=Parallel(sp=2, sp_attention="flash_attention_2")),
+        # ... and over each node's 8 GPUs, 4 nodes (recipes/gemma4/31b_sp8_256k.yaml)
+        ScaleSpec("multinode_zero3_sp8_offload", zero=Zero(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+                  launch=Launch(num_processes=4 * GPUS, num_machines=4, main_process_ip="10.0.0.1", main_process_port=29500),
+                  parallel=Parallel(sp=8, sp_attention="flash_attention_2")),
         # transformers tensor parallel in pairs (tp 2) x FSDP2 over the 4 pairs
         ScaleSpec("fsdp2_tp2", engine="fsdp2", launch=Launch(num_processes=GPUS), parallel=Parallel(tp=2)),
     ]

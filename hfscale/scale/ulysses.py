@@ -13,9 +13,17 @@ transformers 5.24; tests/test_parallel_engine.py).
     sliding_window, it rebuilds the causal window mask from the (gathered, global) position_ids. It
     materialises a B x S x S boolean mask per sliding layer: for CPU proofs and moderate S; on GPUs use
     flash_attention_2, which receives sliding_window itself.
+  - layers of different head shapes (`per_layer_heads`, Gemma 4: global layers with fewer K/V heads of twice
+    the size): DeepSpeed sizes its one UlyssesSPAttentionHF from the config's num_key_value_heads / head_dim,
+    which transformers refuses to read on Gemma 4 (AmbiguousGlobalPerLayerAttributeError at
+    accelerator.prepare). Around prepare, this lets DeepSpeed's own registration run (its checks, its process
+    groups) with the global values readable, then routes each attention call to a UlyssesSPAttentionHF built
+    for that call's (query heads, K/V heads, head size): DeepSpeed's class, one instance per layer shape.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 
 def with_position_ids(batch: dict) -> dict:
@@ -30,15 +38,21 @@ def sp_loss(logits, shift_labels, group):
     """Mean next-token cross-entropy over the whole sequence, from one rank's shard of it: the local sum and
     count all-reduced over the SP group (the sum differentiably, so each rank's backward carries the total)."""
     import torch
-    import torch.distributed as dist
-    import torch.distributed.nn.functional as dnn
 
     flat = shift_labels.reshape(-1)
     local = torch.nn.functional.cross_entropy(logits.float().reshape(flat.numel(), -1), flat, ignore_index=-100,
                                               reduction="sum")
-    count = (flat != -100).sum().to(local.dtype)
+    return sp_mean(local, (flat != -100).sum(), group)
+
+
+def sp_mean(local_sum, count, group):
+    """sum over the SP group / count over the SP group, the sum all-reduced differentiably."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dnn
+
+    count = count.to(local_sum.dtype)
     dist.all_reduce(count, group=group)
-    return dnn.all_reduce(local, group=group) / count.clamp(min=1)
+    return dnn.all_reduce(local_sum, group=group) / count.clamp(min=1)
 
 
 def window_mask(position_ids, sliding_window: int):
@@ -52,9 +66,10 @@ def window_mask(position_ids, sliding_window: int):
     return (k <= q) & (q - k < sliding_window) & (doc[:, None, :, None] == doc[:, None, None, :])
 
 
-def use_window_sdpa() -> None:
+def use_window_sdpa():
     """Register the window-aware sdpa under transformers' "sdpa" key; call before `accelerator.prepare`
-    (Ulysses wraps whatever "sdpa" is when it registers). A layer that receives a mask is passed through."""
+    (Ulysses wraps whatever "sdpa" is when it registers). A layer that receives a mask is passed through.
+    Returns the registered function."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -64,6 +79,90 @@ def use_window_sdpa() -> None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, position_ids=position_ids, **kw)
 
     AttentionInterface.register("sdpa", window_sdpa)
+    return window_sdpa
+
+
+def heterogeneous(config) -> bool:
+    """Whether the config has per-layer attributes that one global value cannot describe (Gemma 4)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return c.__dict__.get("_heterogeneity_spec") is not None
+
+
+def per_shape_attention(core, group, micro_batch: int, core_name: str | None = None, **kw):
+    """An attention function for transformers' registry that runs `core` under Ulysses with DeepSpeed's
+    UlyssesSPAttentionHF sized for each call's heads (one instance per (q heads, K/V heads, head size)); masks
+    are dropped as DeepSpeed's own wrapper drops them (flex_attention's BlockMask kept)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    made: dict = {}
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        shape = (query.shape[1], key.shape[1], query.shape[-1])
+        if shape not in made:
+            made[shape] = UlyssesSPAttentionHF(attn=core, batch_size=micro_batch, attn_head_count=shape[0],
+                                               attn_head_size=shape[2], kv_head_count=shape[1],
+                                               num_hidden_layers=1, process_group=group, **kw)
+            made[shape].core_attn_implementation = core_name
+        if type(attention_mask).__name__ != "BlockMask":
+            attention_mask = None
+        return made[shape](module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention.instances = made
+    return attention
+
+
+@contextlib.contextmanager
+def per_layer_heads(model):
+    """Around `accelerator.prepare(model, ...)` under Ulysses (a no-op for models whose layers share one head
+    shape): DeepSpeed's register_with_transformers runs as it is, with the config's global per-layer values
+    readable for its single read, and the attention it registers is replaced by `per_shape_attention` over the
+    same core kernel, process group and sequence-length settings."""
+    if not heterogeneous(model.config):
+        yield
+        return
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = UlyssesSPAttentionHF.__dict__["register_with_transformers"]
+    text = model.config.get_text_config()
+
+    def register(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size, micro_batch_size,
+                 seq_length=None, seq_length_is_variable=True, disable_in_eval=False, **rest):
+        allowed = text.allow_global_per_layer_attribute_access
+        text.allow_global_per_layer_attribute_access = True
+        core = ALL_ATTENTION_FUNCTIONS.get(core_attn_implementation)
+        try:
+            mpu = original.__func__(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size,
+                                    micro_batch_size, seq_length=seq_length, seq_length_is_variable=seq_length_is_variable,
+                                    disable_in_eval=disable_in_eval, **rest)
+        finally:
+            text.allow_global_per_layer_attribute_access = allowed
+        if mpu is not None:
+            install_per_shape_attention(core_attn_implementation, core, mpu.get_sequence_parallel_group(), micro_batch_size,
+                                        seq_length, seq_length_is_variable, disable_in_eval)
+        return mpu
+
+    UlyssesSPAttentionHF.register_with_transformers = classmethod(register)
+    try:
+        yield
+    finally:
+        UlyssesSPAttentionHF.register_with_transformers = original
+
+
+def install_per_shape_attention(name: str, core, group, micro_batch: int, seq_length: int | None = None,
+                                seq_length_is_variable: bool = True, disable_in_eval: bool = False):
+    """Register `per_shape_attention(core, ...)` under transformers' attention key `name` (what DeepSpeed's
+    registration does with its single-shape wrapper); returns the registered function."""
+    import torch.distributed as dist
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sp = dist.get_world_size(group)
+    sizes = {} if seq_length_is_variable else {"local_seq_length": seq_length // sp, "global_seq_length": seq_length}
+    fn = per_shape_attention(core, group, micro_batch, name, seq_length_is_variable=seq_length_is_variable,
+                             disable_in_eval=disable_in_eval, **sizes)
+    ALL_ATTENTION_FUNCTIONS[name] = fn
+    return fn
 
 
 def launch_parallel(environ):
@@ -82,10 +181,12 @@ def launch_parallel(environ):
     return Parallel(**sizes, sp_attention=attn if attn not in ("None", "") else "sdpa")
 
 
-def sp_lm_loss(group):
+def sp_lm_loss(group, tiled: bool = False):
     """A `loss_fn(model, batch)` for hfscale.train.loop.train_steps under Ulysses, where the ranks of one SP group
     read the same sequences (train_steps' data_rank): each rank computes its 1/sp slice of the tokens, at their
-    global positions, and the loss is the mean over the whole sequences (sp_loss), as without SP."""
+    global positions, and the loss is the mean over the whole sequences (sp_loss), as without SP. `tiled`: the
+    model computes its loss in slices (hfscale.scale.long_context.tile_loss_) from `shift_labels`, returning
+    the mean over its labelled tokens, which times their count is the local sum."""
     import torch
     import torch.distributed as dist
 
@@ -97,6 +198,11 @@ def sp_lm_loss(group):
         lo, hi = rank * S // sp, (rank + 1) * S // sp
         labels = torch.nn.functional.pad(batch, (0, 1), value=-100)[:, 1:]  # next token; the last has none
         pos = torch.arange(S, device=batch.device).expand_as(batch)
+        if tiled:
+            mine = labels[:, lo:hi]
+            count = (mine != -100).sum()
+            out = model(input_ids=batch[:, lo:hi], position_ids=pos[:, lo:hi], shift_labels=mine)
+            return sp_mean(out.loss * count, count, group)
         out = model(input_ids=batch[:, lo:hi], position_ids=pos[:, lo:hi])
         return sp_loss(out.logits, labels[:, lo:hi], group)
 

@@ -42,6 +42,11 @@ class TrainConfig:
     # > 0: record the memory timeline of the first N steps (hfscale.profile) into OUTPUT_DIR/memory:
     # rank{R}.json per rank, profile.json (measured vs the plan's prediction) and timeline.png
     profile_memory: int = 0
+    # ALST's long-context levers (hfscale.scale.long_context; docs/long_context.md): the logits + loss and the
+    # decoder MLPs computed in this many slices of each sequence (0 = off), saved activations in host memory
+    tiled_loss: int = 0
+    tiled_mlp: int = 0
+    offload_activations: bool = False
     extra: dict = field(default_factory=dict, compare=False)  # recipe YAML notes (ignored)
 
     def __post_init__(self):
@@ -66,6 +71,14 @@ class TrainConfig:
 
         if self.precision not in PRECISION_CHOICES:
             raise ConfigError(f"precision {self.precision!r} not understood; use one of {', '.join(PRECISION_CHOICES)}")
+        self.levers.check(self.seq_len, self.checkpointing)
+
+    @property
+    def levers(self):
+        """The long-context switches as one validated hfscale.scale.long_context.Levers."""
+        from ..scale.long_context import Levers
+
+        return Levers(self.tiled_loss, self.tiled_mlp, self.offload_activations)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,170 @@
+"""ALST's long-context levers in the plan: what tiled logits + loss, tiled MLP and activation offload do to one
+rank's memory and step time, as pure functions over the analytic per-rank prediction (`memory.predict`, which
+covers Ulysses SP through `parallel.predict_parallel`). The levers themselves run in hfscale.scale.long_context;
+the fake-tensor trace (`trace.trace_step(levers=...)`) runs the tiled ones for real and is what these formulas
+are checked against (benchmarks/long_context.py; tests/test_long_context.py checks trace == MemTracker).
+
+Interface (for the planner's candidates): `lever_prediction(d, s, levers) -> LeverPrediction`, and
+`longest_sequence(d, hw, strategy_at, levers_at)` for the longest S that fits. Per rank, T = micro x S / sp
+tokens, e = 2 (bf16) / 4 (fp32) bytes, V vocabulary, I MLP width, h hidden, n slices, t = ceil(T / n):
+
+  tiled logits + loss (n = loss tiles): the saved fp32 log-softmax 4TV (and Gemma's eTV soft-cap output) is
+    gone; one slice's working set takes its place, lm_head output + fp32 copy + log-softmax + its gradient
+    (e + 12)·t·V, beside the hidden states' gradient the tiled op fills, e·T·h.
+    Default n: slices of <= 1 GiB of fp32 logits, ceil(4TV / 2^30) (ALST sizes its slices in GB the same way).
+  tiled MLP (n = MLP tiles): a non-checkpointed layer no longer saves its MLP's [T x I] intermediates
+    (the I-terms of `memory.layer_activation_bytes`: 8TI bf16, 16TI fp32; Gemma 4 per layer by its width);
+    TiledMLP saves the MLP input, already counted. The recompute of a checkpointed layer (`recompute_working`)
+    drops the same terms; one slice's intermediates and their gradients, 2 x (I-terms at t tokens), come back.
+    Default n: ceil(T / h) (ALST: slices of `hidden` tokens, so a slice's [t x I] equals one weight matrix).
+  activation offload: everything saved for backward outside the recomputed layer moves to host memory:
+    host = activations (per rank; x GPUs per node for the host), less the tiled loss's hidden states and labels
+    (e·T·h + 8T, held on the op's ctx where no saved-tensor hook sees them); the GPU keeps those and one reloaded
+    layer input e·T·h. (Measured on CPU: the adapter's host bytes equal this within 12 bytes, tiny Gemma 3 and
+    small Gemma 4, with and without the tiled loss.)
+
+Time model (relative to the same step without the lever; stated, not measured on GPUs):
+  FLOPs per token of a forward: 2 x parameters + 4·S·q·d per layer (causal attention, half of 2 x 2·S·q·d);
+  a step = forward + backward (2 x forward) + the recomputed forward of the checkpointed layers.
+  tiled loss recomputes the lm_head forward (2·h·V per token); tiled MLP recomputes every MLP forward
+  (6·h·I per token per layer); offload copies host bytes to the host and back at `pcie_gbps` (default 25 GB/s,
+  PCIe 4 x16 as measured by users, not overlapped: torch's save_on_cpu copies synchronously) against compute at
+  `tflops` (default 400: 40% of an H100's 989 dense bf16 TFLOPs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .dims import Dims
+from .memory import Strategy, activation_bytes
+from .parallel import analytic
+
+
+@dataclass(frozen=True)
+class LeverPrediction:
+    """One rank's memory with the levers (bytes) and what they cost in step time."""
+
+    total: int  # device bytes, the analytic total of memory.predict with the levers applied
+    host_bytes_per_rank: int  # activations held in host memory (offload)
+    changes: dict  # part -> signed device bytes (negative: removed)
+    tiles: dict  # lever -> slices used
+    added_flops: float  # FLOPs the levers add per micro step
+    step_flops: float  # FLOPs of the micro step without them
+    offload_seconds: float  # host copies per micro step at pcie_gbps
+    time_factor: float  # step time with the levers / without
+    base: dict  # memory.predict without the levers
+
+
+def mlp_tiles(tokens: int, hidden: int) -> int:
+    """ALST's default: slices of `hidden` tokens."""
+    return max(1, math.ceil(tokens / hidden))
+
+
+def loss_tiles(tokens: int, vocab: int, slice_bytes: int = 2**30) -> int:
+    """Slices holding at most `slice_bytes` of fp32 logits each."""
+    return max(1, math.ceil(4 * tokens * vocab / slice_bytes))
+
+
+def _mlp_bytes(d: Dims, tokens: int, e: int) -> list[int]:
+    """The MLP intermediates one layer saves at `tokens` tokens (the I-terms of the activation formulas)."""
+    widths = [ld.intermediate for ld in d.per_layer] if d.per_layer else [d.intermediate] * d.layers
+    coeff = 8 if e == 2 else 16
+    if d.family == "gemma4":  # GeGLU: gate output, gelu output, up output, product: 4 x e·T·I
+        coeff = 4 * e
+    return [coeff * tokens * w for w in widths]
+
+
+def forward_flops(d: Dims, tokens: int, seq: int) -> float:
+    attn = sum(4 * seq * d.heads * ld.head_dim for ld in d.layers_dims()) / 2  # causal: half the S x S products
+    return tokens * (2 * d.params + attn)
+
+
+def lever_prediction(d: Dims, s: Strategy, levers, pcie_gbps: float = 25.0, tflops: float = 400.0) -> LeverPrediction:
+    """The analytic prediction (`parallel.analytic(d, s)`) with `levers` (hfscale.scale.long_context.Levers; `alst_levers` for the defaults)
+    applied, per rank."""
+    from ..checkpointing import checkpointed_layers
+
+    base = analytic(d, s)
+    e = 2 if s.precision == "bf16" else 4
+    S_local = s.seq_len // (s.sp * s.cp)
+    T = s.micro_batch * S_local
+    act = activation_bytes(d, s.micro_batch, S_local, s.precision, s.checkpointing, s.attention)
+    ckpt = set(checkpointed_layers(s.checkpointing, d.layers))
+    changes, tiles = {}, {}
+    added = 0.0
+    if levers.tiled_loss:
+        n = levers.tiled_loss
+        t = math.ceil(T / n)
+        tiles["loss"] = n
+        changes["logits_saved"] = -act["logits"]
+        changes["loss_slice_working"] = (e + 12) * t * d.vocab + e * T * d.hidden
+        added += 2 * d.hidden * d.vocab * T
+    if levers.tiled_mlp:
+        n = levers.tiled_mlp
+        t = math.ceil(T / n)
+        tiles["mlp"] = n
+        per = _mlp_bytes(d, T, e)
+        changes["mlp_saved"] = -sum(b for i, b in enumerate(per) if i not in ckpt)
+        if ckpt:
+            changes["mlp_recompute"] = -max(per)
+        changes["mlp_slice_working"] = 2 * max(_mlp_bytes(d, t, e))
+        widths = [ld.intermediate for ld in d.per_layer] if d.per_layer else [d.intermediate] * d.layers
+        added += sum(6 * d.hidden * w for w in widths) * T
+    host = 0
+    if levers.offload_activations:
+        saved = act["total"] + changes.get("logits_saved", 0) + changes.get("mlp_saved", 0)
+        if levers.tiled_loss:  # sequence_tiled_compute keeps its hidden states and labels on its ctx, not as saved
+            saved -= e * T * d.hidden + 8 * T  # tensors: the offload's hooks never see them, they stay on the GPU
+        host = saved
+        changes["offloaded"] = -saved
+        changes["reloaded_layer_input"] = e * T * d.hidden
+    total = base["total"] + sum(changes.values())
+    fwd = forward_flops(d, T, S_local)
+    step = 3 * fwd + fwd * len(ckpt) / d.layers
+    seconds_compute = step / (tflops * 1e12)
+    offload_s = 2 * host / (pcie_gbps * 1e9)
+    factor = (seconds_compute * (step + added) / step + offload_s) / seconds_compute
+    return LeverPrediction(int(total), int(host), changes, tiles, added, step, offload_s, round(factor, 4), base)
+
+
+def fits(pred: LeverPrediction, gpu_mem: int, host_mem_per_node: int, gpus_per_node: int) -> bool:
+    """Device peak with the planner's overheads (x1.1 fragmentation + CUDA context) within the GPU; the host's
+    activations plus the ranks' offloaded model states within the node's memory."""
+    from .planner import peak_bytes
+
+    device = peak_bytes(pred.total)
+    host = (pred.host_bytes_per_rank + pred.base.get("offloaded_per_rank", 0)) * gpus_per_node
+    return device <= gpu_mem and host <= host_mem_per_node
+
+
+def longest_sequence(d: Dims, hw, strategy_at, levers, step: int = 65536, limit: int = 2**25) -> int:
+    """The longest multiple of `step` tokens whose `strategy_at(seq_len)` with `levers` (Levers, or a function of
+    the strategy such as `alst_levers`, so that the slices follow the length) fits `hw` (0 if none)."""
+    best, lo, hi = 0, 1, limit // step
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        s = strategy_at(mid * step)
+        lv = levers(d, s) if callable(levers) else levers
+        if fits(lever_prediction(d, s, lv), hw.gpu_mem, hw.cpu_mem, hw.gpus_per_node):
+            best, lo = mid * step, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def alst_levers(d: Dims, s: Strategy, offload: bool = True):
+    """All three levers with the default slices for one rank's tokens."""
+    from ..scale.long_context import Levers
+
+    T = s.micro_batch * s.seq_len // (s.sp * s.cp)
+    return Levers(loss_tiles(T, d.vocab), mlp_tiles(T, d.hidden), offload)
+
+
+def with_seq(s: Strategy, seq_len: int) -> Strategy:
+    return replace(s, seq_len=seq_len)
+
+
+__all__ = ["LeverPrediction", "alst_levers", "fits", "forward_flops", "lever_prediction", "longest_sequence", "loss_tiles",
+           "mlp_tiles", "with_seq"]
