@@ -296,7 +296,8 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
         raise HfscaleError(f"{shape.dims_error}; {'--inference' if serving else '--fast'} needs those formulas: drop it "
                            "and the step is traced from transformers' own code instead")
     predict = _Predictor(model, shape, method, kernels)
-    pred = predict(s)
+    # with hardware, the strategy asked is judged like every candidate: its states alone over the GPU -> not traced
+    pred = predict(s, 1, hardware.gpu_mem if hardware is not None else None)
     notes = []
     if pred.source == "trace" and d is None:
         notes.append(f"{shape.model_type}: no analytic formulas, so the step was traced from transformers' own code")

@@ -64,8 +64,18 @@ class FsdpUnits:
         return sum(self.layers) + self.tail + self.root
 
 
+_UNITS: dict[str, FsdpUnits] = {}  # per process: a plan asks for the same model's units once per FSDP2 candidate
+
+
 def fsdp2_units(config) -> FsdpUnits:
-    """The units of `config`'s causal LM, counted on the meta device (no weights are built)."""
+    """The units of `config`'s causal LM, counted on the meta device (no weights are built); memoised per config."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _UNITS:
+        _UNITS[key] = _units(config)
+    return _UNITS[key]
+
+
+def _units(config) -> FsdpUnits:
     import copy
 
     import torch
