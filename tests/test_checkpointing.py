@@ -94,12 +94,14 @@ def _gpu_mem_that_picks_every_2(precision):
     """A GPU size at which the cheapest fitting strategy for the tiny model checkpoints every 2nd layer."""
     from hfscale.plan import Hardware, plan
 
-    def ranked(gpu_mem):  # the default plan, as the CLI below runs it (traced, CUDA kernels for GPUs)
-        return plan("tiny-gemma3", SEQ, 1, precision=precision, hardware=Hardware(2, 1, gpu_mem), global_batch_tokens=TOKENS)
+    def ranked(gpu_mem):  # the default plan, as the CLI below runs it (traced, CUDA kernels for GPUs); DeepSpeed and
+        # DDP only: the picked config runs under HF Trainer too, which cannot run FSDP2 on a CPU host
+        return plan("tiny-gemma3", SEQ, 1, precision=precision, hardware=Hardware(2, 1, gpu_mem), global_batch_tokens=TOKENS,
+                    engines=("ddp", "deepspeed"))
 
     for peak in sorted({r.peak_bytes for r in ranked(10**12).candidates}):
         best = ranked(peak).pick
-        if best and best.checkpointing == "every:2" and best.offload == "none" and best.engine == "auto":
+        if best and best.checkpointing == "every:2" and best.offload == "none":
             return peak, best.to_dict()
     raise AssertionError("no GPU size makes the planner pick every:2")
 
@@ -114,7 +116,8 @@ def plan_dir(tmp_path_factory):
     exe = Path(sys.executable).parent / "hfscale"
     r = subprocess.run([str(exe), "plan", "--model", "tiny-gemma3", "--seq-len", str(SEQ), "--micro-batch", "1",
                         "--precision", precision, "--gpus-per-node", "2", "--gpu-mem", f"{gpu_mem}B",
-                        "--global-batch-tokens", str(TOKENS), "--write", str(out)], capture_output=True, text=True)
+                        "--global-batch-tokens", str(TOKENS), "--engines", "ddp,deepspeed", "--write", str(out)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert f"pick: {best['strategy']}" in r.stdout and "every:2" in best["strategy"]
     return out, best

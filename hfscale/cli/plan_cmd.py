@@ -37,6 +37,8 @@ def add_parser(sub):
     p.add_argument("--offload", default="none", choices=DEVICES)
     p.add_argument("--engine", default="auto", choices=["auto", "fsdp2"],
                    help="auto: DDP at --zero 0, DeepSpeed at 1-3; fsdp2: FSDP2 (fully_shard through accelerate)")
+    p.add_argument("--engines", default="ddp,deepspeed,fsdp2",
+                   help="with hardware: the engines to rank, a comma-separated subset of ddp,deepspeed,fsdp2")
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all GPUs given, else 1)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATE_BYTES))
@@ -127,7 +129,8 @@ def run(args) -> int:
                   attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits, sp=args.sp, tp=args.tp,
                   cp=args.cp, hardware=hw, global_batch_tokens=args.global_batch_tokens,
                   method="trace" if args.trace else "fast" if args.fast else "auto", kernels=args.kernels,
-                  serving=serving, engine=args.engine, progress=not args.json)
+                  serving=serving, engine=args.engine, engines=[e.strip() for e in args.engines.split(",") if e.strip()],
+                  progress=not args.json)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

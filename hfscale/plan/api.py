@@ -265,12 +265,12 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
          attention: str = "sdpa", lora_rank: int = 0, base_bits: int = 16, sp: int | None = None,
          tp: int | None = None, cp: int | None = None, hardware: Hardware | None = None,
          global_batch_tokens: int | None = None, method: str = "auto", kernels: str | None = None,
-         serving: Serving | None = None, engine: str = "auto", progress: bool = False) -> Plan:
+         serving: Serving | None = None, engine: str = "auto", engines=None, progress: bool = False) -> Plan:
     """Predict per-rank memory of training `model` (a built-in name, config.json, model directory or hub name)
     with the strategy given (`engine`: "auto" = DDP at ZeRO 0, DeepSpeed at 1-3; "fsdp2" = FSDP2, its per-rank
     rules laid over the trace by plan/fsdp.py); with `hardware`, rank every strategy for it (DDP, ZeRO 1-3 and FSDP2,
-    offload, checkpointing, micro batch, and sp / tp / cp where plain data parallelism does not fit) and pick the
-    cheapest that fits.
+    offload, checkpointing, micro batch, and sp / tp / cp where plain data parallelism does not fit; `engines`: a
+    subset of planner.ENGINES to rank, default all) and pick the cheapest that fits.
     Raises HfscaleError (one line) for invalid input; see the module docstring for `method` and `kernels`."""
     from .kernels import KERNELS
     from .parallel import parallel_options
@@ -283,6 +283,11 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
     if kernels is not None and method == "fast":
         raise HfscaleError("--kernels chooses the traced attention kernels and --fast traces nothing; drop one")
     kernels = kernels or ("cuda" if hardware is not None else "cpu")
+    from .planner import ENGINES
+
+    engines = tuple(ENGINES if engines is None else engines)
+    if not engines or any(e not in ENGINES for e in engines):
+        raise HfscaleError(f"--engines takes a comma-separated subset of {','.join(ENGINES)} (got {','.join(engines)!r})")
     shape = model_shape(model)
     if shape.heads is None and any(v not in (None, 1) for v in (sp, tp, cp)):
         raise HfscaleError(shape.heads_error)
@@ -317,14 +322,15 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
 
         period = repeat_period(list(d.layer_types)) if d is not None and d.layer_types else 1
         rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, progress=progress,
-                          period=period)
+                          period=period, engines=engines)
         if predict.failed and any(c.prediction.source == "trace" for c in rows):
             # a candidate's step could not be traced: rank them all on the analytic terms (one basis), and say why
             notes.append(f"candidates ranked on the analytic terms: {predict.failed}")
             predict.method = "fast"
-            rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, period=period)
+            rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, period=period,
+                              engines=engines)
         best = pick(rows)
-        if best is None and d is not None:  # the long-context levers, where nothing else fits
+        if best is None and d is not None and "deepspeed" in engines:  # the long-context levers, where nothing else fits
             rows = rows + _lever_candidates(d, hardware, seq_len, tokens, precision, attention, sizes, shape.layers)
             rows.sort(key=lambda r: (not r.fits, r.cost, r.peak_bytes))
             best = pick(rows)

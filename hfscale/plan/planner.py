@@ -116,14 +116,19 @@ def judge(s: Strategy, grad_accum: int, pred: Prediction, hw: Hardware, cost_: f
     return Candidate(s, grad_accum, pred, cost_, peak, cpu, not known_not_to_fit and peak <= hw.gpu_mem and cpu <= hw.cpu_mem)
 
 
+ENGINES = ("ddp", "deepspeed", "fsdp2")  # what the planner ranks (hfscale plan --engines)
+
+
 def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, layers: int, precision: str = "bf16",
-               attention: str = "sdpa", parallel=((1, 1, 1),), progress: bool = False, period: int = 1) -> list[Candidate]:
+               attention: str = "sdpa", parallel=((1, 1, 1),), progress: bool = False, period: int = 1,
+               engines=ENGINES) -> list[Candidate]:
     """Every strategy for `hw`, sorted fitting first, then by cost, each predicted by `predict(strategy,
     grad_accum) -> Prediction` (the same model for every row: the ranking and the report agree).
     `parallel`: (sp, tp, cp) sizes to plan (hfscale.plan.parallel.parallel_options), each spanning that many GPUs
     per data-parallel replica; sizes other than (1, 1, 1) are predicted only when no plain data-parallel
     strategy fits: their communication and smaller per-rank GEMMs are not in the cost model's favour otherwise.
-    `period`: the layers' repeating pattern (checkpointing.resolve aligns every:K to it).
+    `period`: the layers' repeating pattern (checkpointing.resolve aligns every:K to it); `engines`: which of
+    ENGINES to rank (TP / CP rows run under FSDP2, or TP alone over the world under DDP).
     Rows whose model states alone (weights + gradients + optimizer, exact from the parameter count) exceed the GPU
     cannot fit whatever their activations, and rows costlier than the cheapest fitting one cannot be the pick:
     `predict(strategy, grad_accum, gpu_mem, skip)` may answer those from the analytic terms without a trace (where
@@ -135,7 +140,8 @@ def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, la
     rows: list[Candidate] = []
     for group in groups:
         todo = [x for sizes in group
-                for x in _strategies(hw, seq_len, global_batch_tokens, precision, attention, layers, period, *sizes)]
+                for x in _strategies(hw, seq_len, global_batch_tokens, precision, attention, layers, period, *sizes)
+                if _engine_of(x[0]) in engines]
         if not todo:
             continue
         max_tokens = max(s.micro_batch * seq_len // (s.sp * s.cp) for s, _ in todo)
@@ -179,6 +185,12 @@ def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, la
         if any(r.fits for r in rows):
             break
     return sorted(rows, key=lambda r: (not r.fits, r.cost, r.peak_bytes))
+
+
+def _engine_of(s: Strategy) -> str:
+    if s.engine == "fsdp2" or (s.tp > 1 or s.cp > 1) and s.zero == 3:
+        return "fsdp2"
+    return "ddp" if s.zero == 0 else "deepspeed"
 
 
 def lever_strategies(hw: Hardware, seq_len: int, global_batch_tokens: int, precision: str, attention: str,
@@ -279,4 +291,4 @@ def to_scale_spec(row: Candidate, hw: Hardware, name: str = "plan"):
                      gradient_checkpointing=row.checkpointing, launch=launch, parallel=par)
 
 
-__all__ = ["Candidate", "Hardware", "candidates", "judge", "lever_strategies", "peak_bytes", "pick", "shortfall", "parse_size", "to_scale_spec"]
+__all__ = ["ENGINES", "Candidate", "Hardware", "candidates", "judge", "lever_strategies", "peak_bytes", "pick", "shortfall", "parse_size", "to_scale_spec"]
