@@ -146,11 +146,16 @@ def run_demo(out: str = "demo_out") -> int:
     from .plan import Hardware, plan
 
     result = plan("gemma-3-27b", 4096, 1, hardware=Hardware(8, 2, 80 * 10**9), global_batch_tokens=2**20, progress=True)
-    best, p = result.pick, result.pick.prediction
-    parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(p.breakdown.items(), key=lambda kv: -kv[1]) if v > 1e8)
-    print(f"  pick: {best.label}, accumulation {best.grad_accum}: step peak {p.peak / 1e9:.1f} GB in {p.peak_phase} "
-          f"({parts}); with fragmentation and CUDA context {best.peak_bytes / 1e9:.1f} GB/GPU "
-          f"(traced on fake tensors, {p.trace['kernels']} attention kernels)")
+    best = result.pick
+    if best is None:
+        print(f"  {result.nothing_fits}")
+    else:
+        p = best.prediction
+        parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(p.breakdown.items(), key=lambda kv: -kv[1]) if v > 1e8)
+        how = (f"traced on fake tensors, {p.trace['kernels']} attention kernels, peak in {p.peak_phase}"
+               if p.source == "trace" else f"analytic: {p.not_traced}")
+        print(f"  pick: {best.label}, accumulation {best.grad_accum}: step peak {p.peak / 1e9:.1f} GB ({parts}); with "
+              f"fragmentation and CUDA context {best.peak_bytes / 1e9:.1f} GB/GPU ({how})")
     train_dir = train_step(out)
     qat_and_export_step(out, train_dir)
     print(f"\ndemo finished in {time.time() - t0:.0f} s; reports under {out / 'proof'}, trained model in {train_dir}")

@@ -37,8 +37,8 @@ def add_parser(sub):
     p.add_argument("--offload", default="none", choices=DEVICES)
     p.add_argument("--engine", default="auto", choices=["auto", "fsdp2"],
                    help="auto: DDP at --zero 0, DeepSpeed at 1-3; fsdp2: FSDP2 (fully_shard through accelerate)")
-    p.add_argument("--engines", default="ddp,deepspeed,fsdp2",
-                   help="with hardware: the engines to rank, a comma-separated subset of ddp,deepspeed,fsdp2")
+    p.add_argument("--engines", help="with hardware: the engines to rank, a comma-separated subset of ddp,deepspeed,fsdp2 "
+                   "(default: all)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all GPUs given, else 1)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATE_BYTES))
@@ -81,7 +81,7 @@ def _refuse_ignored_flags(args) -> None:
     # a flag that would be ignored is refused: hardware without --gpus-per-node, serving without --inference
     from ..errors import HfscaleError
 
-    for needs, flags in (("--gpus-per-node", ("nodes", "gpu_mem", "cpu_mem", "global_batch_tokens")),
+    for needs, flags in (("--gpus-per-node", ("nodes", "gpu_mem", "cpu_mem", "global_batch_tokens", "engines")),
                          ("--inference", ("quant", "batch", "context", "ram_budget", "routing_blocks"))):
         if getattr(args, needs[2:].replace("-", "_")) in (None, False):
             given = [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f) is not None]
@@ -129,7 +129,8 @@ def run(args) -> int:
                   attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits, sp=args.sp, tp=args.tp,
                   cp=args.cp, hardware=hw, global_batch_tokens=args.global_batch_tokens,
                   method="trace" if args.trace else "fast" if args.fast else "auto", kernels=args.kernels,
-                  serving=serving, engine=args.engine, engines=[e.strip() for e in args.engines.split(",") if e.strip()],
+                  serving=serving, engine=args.engine,
+                  engines=None if args.engines is None else [e.strip() for e in args.engines.split(",") if e.strip()],
                   progress=not args.json)
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -155,7 +156,7 @@ def run(args) -> int:
 
 def _lines(r) -> list[str]:
     """The Plan as text."""
-    from ..plan.memory import CUDA_CONTEXT_BYTES
+    from ..plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION
 
     p, s = r.prediction, r.strategy
     out = [f"{r.model}: {p.params / 1e9:.3f}B parameters; {s.label}, dp {s.dp}, seq {s.seq_len}, {s.precision}"]
@@ -174,7 +175,7 @@ def _lines(r) -> list[str]:
                    f"{_gb(t['activations']):>11}  {_gb(t['recompute_working']):>9}  {_gb(t['zero3_live']):>10}  "
                    f"{_gb(p.terms_total):>5}")
     out.append(f"(not included: CUDA context {CUDA_CONTEXT_BYTES / 2**30:.1f} GiB, "
-               f"~10% allocator fragmentation; offloaded per rank {_gb(p.offloaded_per_rank)} GB)")
+               f"~{FRAGMENTATION:.0%} allocator fragmentation; offloaded per rank {_gb(p.offloaded_per_rank)} GB)")
     out += [f"note: {n}" for n in r.notes]
     if r.inference is not None:
         i, sv = r.inference, r.serving

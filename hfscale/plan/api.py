@@ -6,10 +6,12 @@ only maps its flags to this call and prints the Plan.
 
 Which model answers (`method`):
   "auto" (default)  the step is traced from transformers' own code on fake tensors (trace.py, peak.py, with
-                    DeepSpeed's buffers laid over it by zero.py) for every causal LM transformers builds from
-                    its config. The analytic terms (memory.py) answer only where a step cannot be traced, and
-                    the Prediction says why: another optimizer than AdamW, QLoRA's NF4 kernels, tensor / context
-                    parallel ranks (one process traces one rank), an op without a fake kernel.
+                    DeepSpeed's buffers laid over it by zero.py, FSDP2's by fsdp.py) for every causal LM
+                    transformers builds from its config. The analytic terms (memory.py) answer where a step cannot
+                    be traced, and the Prediction says why: another optimizer than AdamW, QLoRA's NF4 kernels,
+                    tensor / context parallel ranks (one process traces one rank), an op without a fake kernel; in
+                    a ranking also for rows that cannot be the pick (states alone over the GPU, costlier than the
+                    pick), and for the long-context lever rows (plan/long_context.py).
   "trace"           as auto, but a step that cannot be traced is an error (one line).
   "fast"            the analytic terms alone (model states + saved activations; no temporaries, no phases),
                     for the families memory.py has formulas for; no torch import once the shape is cached.
@@ -41,7 +43,7 @@ class Serving:
     batch: int = 1
     context: int | None = None
     ram_budget: int | None = None  # MoE: RAM for cached experts when streaming them (hfscale.experts)
-    routing: object = None  # MoE: moe_serving.Routing measured on the model (hfscale.experts.calibration_routing)
+    routing: object = None  # MoE: moe_serving.Routing measured on the model (hfscale.experts.routing.calibration_routing)
 
     def __post_init__(self):
         if self.batch < 1 or (self.context is not None and self.context < 1):
@@ -175,7 +177,8 @@ def _cached_step(model: str, s: Strategy, grad_accum: int, kernels: str, compute
         source = None
     if source is None:
         return compute()
-    key = json.dumps([asdict(s), grad_accum, kernels, version("torch"), version("transformers"), STEP_FORMAT], sort_keys=True)
+    key = json.dumps([asdict(s), grad_accum, kernels, version("torch"), version("transformers"), version("peft"), STEP_FORMAT],
+                     sort_keys=True)
     digest = hashlib.sha256(source + _code_digest() + key.encode()).hexdigest()[:32]
     return cached_json(cache_root() / "steps" / f"{digest}.json", compute, lambda v: v["peak"])
 
@@ -285,7 +288,7 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
     kernels = kernels or ("cuda" if hardware is not None else "cpu")
     from .planner import ENGINES
 
-    engines = tuple(ENGINES if engines is None else engines)
+    engines = tuple(ENGINES if engines is None else engines.split(",") if isinstance(engines, str) else engines)
     if not engines or any(e not in ENGINES for e in engines):
         raise HfscaleError(f"--engines takes a comma-separated subset of {','.join(ENGINES)} (got {','.join(engines)!r})")
     shape = model_shape(model)
@@ -302,7 +305,7 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
                            "and the step is traced from transformers' own code instead")
     predict = _Predictor(model, shape, method, kernels)
     # with hardware, the strategy asked is judged like every candidate: its states alone over the GPU -> not traced
-    pred = predict(s, 1, hardware.gpu_mem if hardware is not None else None)
+    pred = predict(s, 1, hardware.gpu_mem if hardware is not None and method == "auto" else None)
     notes = []
     if pred.source == "trace" and d is None:
         notes.append(f"{shape.model_type}: no analytic formulas, so the step was traced from transformers' own code")
@@ -316,8 +319,12 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
                         serving.ram_budget, serving.routing, serving.routing is not None)
     rows, best, nothing = (), None, None
     if hardware is not None:
+        if global_batch_tokens is not None and global_batch_tokens < 1:
+            raise HfscaleError(f"--global-batch-tokens must be positive (got {global_batch_tokens})")
         tokens = global_batch_tokens or micro_batch * seq_len * hardware.world
         sizes = (parallel_options(shape.heads, hardware, seq_len, sp, tp, cp) if shape.heads is not None else [(1, 1, 1)])
+        if method == "trace":  # tensor / context parallel ranks are not traced: not candidates when a trace is required
+            sizes = [p for p in sizes if p[1] == p[2] == 1]
         from .peak import repeat_period
 
         period = repeat_period(list(d.layer_types)) if d is not None and d.layer_types else 1
@@ -326,9 +333,11 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
         if predict.failed and any(c.prediction.source == "trace" for c in rows):
             # a candidate's step could not be traced: rank them all on the analytic terms (one basis), and say why
             notes.append(f"candidates ranked on the analytic terms: {predict.failed}")
-            predict.method = "fast"
             rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, period=period,
                               engines=engines)
+        if not rows:
+            raise HfscaleError(f"no {','.join(engines)} strategy exists for sp/tp/cp {sizes}; add an engine (--engines) "
+                               "or drop --sp / --tp / --cp")
         best = pick(rows)
         if best is None and d is not None and "deepspeed" in engines:  # the long-context levers, where nothing else fits
             rows = rows + _lever_candidates(d, hardware, seq_len, tokens, precision, attention, sizes, shape.layers)

@@ -119,6 +119,13 @@ class Strategy:
             raise HfscaleError(f"levers must be one of {', '.join(LEVERS)} (got {self.levers!r})")
         if self.engine not in ("auto", "fsdp2"):
             raise HfscaleError(f"--engine must be auto or fsdp2 (got {self.engine!r})")
+        fsdp2 = self.engine == "fsdp2"
+        if self.sp > 1 and self.zero < 2:
+            raise HfscaleError(f"--sp {self.sp} is DeepSpeed Ulysses: it needs --zero 2 or 3")
+        if self.cp > 1 and not (self.zero == 3 or fsdp2):
+            raise HfscaleError(f"--cp {self.cp} runs under FSDP2: give --zero 3 (planned as FSDP2) or --engine fsdp2")
+        if self.tp > 1 and self.zero in (1, 2):
+            raise HfscaleError(f"--tp {self.tp} runs under FSDP2 or DDP: give --zero 3 or --zero 0")
         if self.engine == "fsdp2" and (self.zero or self.offload == "nvme" or self.sp > 1):
             raise HfscaleError("--engine fsdp2 shards parameters, gradients and optimizer by itself: drop --zero, --sp "
                                "(DeepSpeed Ulysses) and --offload nvme (FSDP2 offloads to cpu)")
@@ -374,7 +381,7 @@ def _lora_states(d: Dims, s: Strategy) -> dict:
     if s.base_bits == 4:  # embeddings (Gemma 4's per-layer table too), lm_head and MoE experts stay 16-bit under bitsandbytes
         base = int(body * NF4_BYTES_PER_PARAM) + 2 * (d.params - body)
     else:
-        base = (2 if s.precision == "bf16" else 4) * d.params
+        base = (2 if runs_as(s.precision, s.zero) == "bf16" else 4) * d.params
     weights, grads, optim = shard(base + 4 * A, 4 * A, OPTIMIZER_STATE_BYTES[s.optimizer] * A, s.zero, N)
     return {"weights": weights, "gradients": grads, "optimizer": optim,
             "zero3_live": zero3_gathered(d, 2) if s.zero == 3 else 0, "offloaded_per_rank": 0, "trainable": A}

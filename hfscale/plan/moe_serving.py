@@ -238,7 +238,7 @@ def lines(p: MoEServing) -> list[str]:
 def for_model(model: str, d: Dims, quant: str, kv_cache_bytes: int, gpu_mem: int | None, ram_budget: int | None = None,
               routing: Routing | None = None, routing_asked: bool = False) -> MoEServing | None:
     """`hfscale plan --inference`'s MoE section: None for a dense model (and its MoE-only settings refused).
-    `routing`: statistics measured on the model (hfscale.experts.calibration_routing); None: uniform routing."""
+    `routing`: statistics measured on the model (hfscale.experts.routing.calibration_routing); None: uniform routing."""
     if not any(ld.moe for ld in d.per_layer):
         given = [f for f, v in (("--ram-budget", ram_budget), ("--routing-blocks", routing_asked)) if v]
         if given:

@@ -16,8 +16,8 @@ with ZeRO's sharding and offload applied to the traced model states.
   The optimizer step is not extrapolated (its peak follows the largest parameters, -1.8% on Gemma 3 1B
   when it was): it is traced on the full-depth model alone, which costs no forward or backward.
 - Engines: DDP is the trace itself plus DDP's gradient buckets; DeepSpeed ZeRO 1-3 and offload lay
-  DeepSpeed's own buffers over the trace (`zero.py`, measured against DeepSpeed ranks). These are the only
-  two engines predicted from a trace here.
+  DeepSpeed's own buffers over the trace (`zero.py`, measured against DeepSpeed ranks); FSDP2 lays its units'
+  gathers and shards over it (`fsdp.py`, measured against FSDP2 ranks).
 """
 
 from __future__ import annotations
@@ -67,8 +67,11 @@ def _layer_period(config) -> int | None:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    except Exception:  # noqa: BLE001 - not buildable as a causal LM: the full trace says why, in one line (TraceError)
+        return None
     sig = [tuple((n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters())
            + tuple(type(x).__name__ for x in m.modules())
            for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -152,7 +155,7 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
                     dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = "fused",
                     rank: int | None = None, kernels: str = "cpu", reshard_after_forward: bool = True) -> dict:
     """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy.
-    engine: "ddp" (torch DDP through accelerate), "deepspeed", or "auto" (ddp at ZeRO-0, else deepspeed).
+    engine: "ddp" (torch DDP through accelerate), "deepspeed", "fsdp2", or "auto" (ddp at ZeRO-0, else deepspeed).
     adamw: torch AdamW's implementation the run uses (trace.ADAMW; fused is transformers Trainer's default).
     rank: the rank to predict (ZeRO-2's backward differs per rank); None: the highest of all ranks.
     kernels: the attention kernels traced, "cpu" or "cuda" (`kernels.py`)."""

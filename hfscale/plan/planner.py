@@ -152,13 +152,17 @@ def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, la
             if key not in smallest or s.micro_batch < smallest[key][0]:
                 smallest[key] = (s.micro_batch, a)
         fails: dict = {}  # the same -> the smallest micro batch known not to fit (a larger one holds more)
+        failed_at: dict = {}  # the same -> that micro batch's traced prediction (a lower bound of the larger ones)
         picked_cost = None
 
         def judged(s, accum, c, skip=None, known_not_to_fit=False):
+            key = replace(s, micro_batch=1)
+            if known_not_to_fit and key in failed_at:  # shown with the smaller micro batch's traced peak, and why
+                lower = replace(failed_at[key], not_traced=skip)
+                return judge(s, accum, lower, hw, c, known_not_to_fit)
             row = judge(s, accum, predict(s, accum, hw.gpu_mem, skip), hw, c, known_not_to_fit)
-            if not row.fits and row.prediction.source == "trace":
-                key = replace(s, micro_batch=1)
-                fails[key] = min(fails.get(key, s.micro_batch), s.micro_batch)
+            if not row.fits and row.prediction.source == "trace" and s.micro_batch <= fails.get(key, s.micro_batch):
+                fails[key], failed_at[key] = s.micro_batch, row.prediction
             return row
 
         with tqdm(total=len(todo), desc="predicting candidates", unit="strategy", disable=not progress or None,
@@ -176,7 +180,8 @@ def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, la
                     judged(s, 1, c)
                 known = skip is None and key in fails and s.micro_batch >= fails[key]
                 if known:
-                    skip = f"not traced: micro batch {fails[key]} of this strategy does not fit without accumulation"
+                    skip = (f"not traced: micro batch {fails[key]} of this strategy does not fit without accumulation "
+                            "(its traced peak shown, a lower bound)")
                 row = judged(s, accum, c, skip, known)
                 if row.fits and picked_cost is None:
                     picked_cost = c

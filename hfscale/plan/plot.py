@@ -6,6 +6,8 @@ from __future__ import annotations
 def plot_candidates(rows: list, path: str, title: str, gpu_mem: int, limit: int = 16) -> None:
     """One stacked bar per strategy (its cheapest fitting micro batch, else its smallest): the prediction's
     breakdown at its peak, by kind (traced) or by analytic term, whichever answered for the rows."""
+    from dataclasses import replace
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -13,16 +15,16 @@ def plot_candidates(rows: list, path: str, title: str, gpu_mem: int, limit: int 
 
     best: dict = {}
     for r in rows:
-        key = (r.zero, r.offload, r.checkpointing, r.sp, r.tp, r.cp)
+        key = replace(r.strategy, micro_batch=1)
         cur = best.get(key)
         if cur is None or (r.fits and not cur.fits) or (not r.fits and not cur.fits and r.peak_bytes < cur.peak_bytes):
             best[key] = r
     picked = sorted(best.values(), key=lambda r: (not r.fits, r.cost if r.fits else r.peak_bytes))[:limit]
-    parts = list(dict.fromkeys(k for r in picked for k, v in r.prediction.breakdown.items() if v))
+    parts = list(dict.fromkeys(k for r in picked for k, v in r.prediction.breakdown.items() if v > 0))
     fig, ax = plt.subplots(figsize=(max(8, len(picked) * 0.7), 5))
     bottom = [0.0] * len(picked)
     for part in parts:
-        vals = [r.prediction.breakdown.get(part, 0) / 1e9 for r in picked]
+        vals = [max(0, r.prediction.breakdown.get(part, 0)) / 1e9 for r in picked]
         ax.bar(range(len(picked)), vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(gpu_mem / 1e9, color="red", linestyle="--", label="GPU memory")
