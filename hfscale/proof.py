@@ -311,8 +311,10 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # a launched rank: its report is written; skip the teardown race (exit_rank)
+    from hfscale.scale.runtime import exit_rank
+
+    exit_rank(main())
 
 
 # --- launching and reading proofs (used by `hfscale prove`, the demo and the tests) ---------------

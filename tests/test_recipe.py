@@ -521,6 +521,13 @@ def assert_follows(resumed: dict, reference: dict, steps):
 
 
 @pytest.mark.engine
+def _launch_precision() -> str:
+    """What the shipped bf16 configs run as under the tiny recipe's precision auto: fp32 where bf16 is emulated."""
+    from hfscale.hosts import bf16_support, resolve_precision
+
+    return resolve_precision("auto", "bf16", bf16_support("cpu")).precision
+
+
 def test_zero2_fallback_2_to_1_sigusr1_then_1_to_2(tmp_path, uninterrupted_run):
     """From the uninterrupted ZeRO-2 run's step 2 and 4 checkpoints, step 4 bit-flipped: 1 rank falls back to step 2
     (universal: saved by 2 ranks), SIGUSR1 stops it at a step boundary with a checkpoint and status 75; 2 ranks
@@ -529,12 +536,14 @@ def test_zero2_fallback_2_to_1_sigusr1_then_1_to_2(tmp_path, uninterrupted_run):
     out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     for name in ("step_00000002", "step_00000004"):
         shutil.copytree(ref_out / "checkpoints" / name, ck / name)
-    flip_byte(ck / "step_00000004" / "pytorch_model" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    # bf16_zero_pp_... under bf16, zero_pp_... in fp32 (where the host emulates bf16: precision auto)
+    optim = next((ck / "step_00000004" / "pytorch_model").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    flip_byte(optim)
     args = ["--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest"]
     rc, log = launch("zero2.yaml", out, *args, procs=1, fault=f"record@{tmp_path}", signal_after=4, check=False)
     assert rc == 128 + 10, log[-3000:]  # the launcher: SIGUSR1, after waiting for the ranks
     assert (tmp_path / "exit_rank0.txt").read_text() == "75"  # the rank: preempted, checkpoint saved
-    assert ("checkpoint step_00000004 is damaged (pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: its "
+    assert (f"checkpoint step_00000004 is damaged (pytorch_model/{optim.name}: its "
             "content differs from the manifest's hash") in log and "resuming from step_00000002" in log
     assert f"resuming step 2 saved by 2 ranks on 1 rank: universal checkpoint {ck}/step_00000002.universal (converted" in log
     stopped = int(re.search(r"SIGUSR1: stopped after step (\d+), checkpoint", log).group(1))
@@ -592,7 +601,7 @@ def test_zero3_2_to_1_to_2_ranks(tmp_path):
 
     i = info(ck / f"step_{stopped:08d}")
     assert (i.engine, i.zero, i.ranks, i.step, i.tokens_seen, i.precision, i.intact, i.universal) == \
-        ("deepspeed", 3, 1, stopped, stopped * 512, "bf16", "yes", True)
+        ("deepspeed", 3, 1, stopped, stopped * 512, _launch_precision(), "yes", True)
     assert_export_matches_zero_to_fp32(ref / "checkpoints" / "step_00000002", tmp_path / "export2")
     assert_export_matches_zero_to_fp32(ck / f"step_{stopped:08d}", tmp_path / "export1")
 

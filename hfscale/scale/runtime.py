@@ -120,6 +120,27 @@ def make_accelerator(precision: str | None = None, **kwargs):
     return accelerator
 
 
+def exit_rank(code: int):
+    """End a launched worker process (a proof or profile rank) with `code`, its outputs already written, without
+    interpreter finalization: finalization is where gloo's / DeepSpeed's C++ threads race the dying interpreter
+    and a rank dies of SIGABRT ("terminate called without an active exception") after its work is done. Seen in a
+    clean-clone suite here: the stock-Ulysses proof launch wrote both rank reports, then rank 0 aborted and the
+    launch failed. The atexit handlers run first (hfscale's process-group teardown among them), then the standard
+    streams are flushed."""
+    import atexit
+    import os
+    import sys
+
+    atexit._run_exitfuncs()
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream has nothing left to lose
+            pass
+    os._exit(code)
+
+
 def end_process_group(barrier: bool = True) -> None:
     """Destroy the default process group now, after a barrier (every rank calls it at the end of a run), so no
     rank leaves while another still talks to it. Idempotent."""

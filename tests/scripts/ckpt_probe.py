@@ -110,3 +110,9 @@ per_layer = [calls[i] for i in sorted(calls)]
 (out / f"{way}_rank{rank}.json").write_text(json.dumps({
     "world": int(os.environ.get("WORLD_SIZE", "1")), "calls_per_layer": per_layer, "micro_batches": steps * micro_batches,
 }))
+
+# the report is written: end the rank without interpreter finalization, where gloo / DeepSpeed threads can race the
+# dying interpreter (SIGABRT "terminate called without an active exception", seen once in a clean-clone suite)
+from hfscale.scale.runtime import exit_rank  # noqa: E402
+
+exit_rank(0)
