@@ -134,5 +134,7 @@ def train(cfg, force, pre) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # every rank ends through exit_rank: no interpreter finalization to race gloo's threads
+    from hfscale.scale.runtime import exit_rank
+
+    exit_rank(main())

@@ -161,5 +161,7 @@ def finish(cfg, spec, state, tokenizer, val_blocks, out: Path) -> None:
         print(f"float {rows['float']:.3f} | QAT {rows['qat']:.3f}")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # every rank ends through exit_rank: no interpreter finalization to race gloo's threads
+    from hfscale.scale.runtime import exit_rank
+
+    exit_rank(main())

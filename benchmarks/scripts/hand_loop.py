@@ -15,7 +15,7 @@ import torch
 
 from hfscale.corpus import load_text, packed_blocks
 from hfscale.models import TINY, build_model, load_tokenizer
-from hfscale.scale.runtime import make_accelerator, make_optimizer
+from hfscale.scale.runtime import exit_rank, make_accelerator, make_optimizer
 from hfscale.train.batching import BatchPlan, rank_indices
 
 p = argparse.ArgumentParser()
@@ -52,3 +52,4 @@ if accelerator.is_main_process:
     print("HAND_LOOP " + json.dumps({"step_s": times, "cpu_s": cpu, "tokens_per_step": plan.tokens_per_step,
                                       "world": accelerator.num_processes, "pid": os.getpid()}))
 accelerator.end_training()
+exit_rank(0)  # as the recipes end: no interpreter finalization for gloo's threads to race

@@ -120,25 +120,35 @@ def make_accelerator(precision: str | None = None, **kwargs):
     return accelerator
 
 
-def exit_rank(code: int):
-    """End a launched worker process (a proof or profile rank) with `code`, its outputs already written, without
-    interpreter finalization: finalization is where gloo's / DeepSpeed's C++ threads race the dying interpreter
-    and a rank dies of SIGABRT ("terminate called without an active exception") after its work is done. Seen in a
-    clean-clone suite here: the stock-Ulysses proof launch wrote both rank reports, then rank 0 aborted and the
-    launch failed. The atexit handlers run first (hfscale's process-group teardown among them), then the standard
-    streams are flushed."""
+def exit_rank(code: int | None):
+    """End a launched rank with `code` (its outputs written) the way every hfscale launch path ends: the
+    recipes (train_clm, distill_clm, qat_clm), the proof / profile ranks, and a Trainer script's last line
+    (`hfscale.exit_rank(0)`). Non-daemon threads are joined and the atexit handlers run (hfscale's process-group
+    teardown among them) as at a normal exit, the standard streams are flushed, then os._exit: no interpreter
+    finalization.
+
+    Finalization is where the exit race lives. Caught under gdb on this host (2 gloo ranks, a normal exit): a
+    gloo worker thread (pt_gloo_runloop) drops the last reference to a finished AsyncWork whose tensors were made
+    in Python; releasing them takes the GIL (TensorImpl::decref_pyobject); the main thread is already in
+    Py_FinalizeEx, so take_gil ends the thread with pthread_exit; the forced unwind meets a noexcept destructor
+    (~AsyncWork) and std::terminate aborts the rank: SIGABRT, "terminate called without an active exception",
+    after all its work is done. Any C++ thread that takes the GIL then dies the same way (a group DeepSpeed still
+    holds outlives destroy_process_group), so the robust end is to skip finalization, not to win the race."""
     import atexit
     import os
     import sys
+    import threading
 
+    for t in threading.enumerate():  # what finalization's threading._shutdown waits for
+        if t is not threading.current_thread() and not t.daemon and t.is_alive():
+            t.join()
     atexit._run_exitfuncs()
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed stream has nothing left to lose
             pass
-    os._exit(code)
+    os._exit(0 if code is None else code if isinstance(code, int) else 1)  # as sys.exit reads it
 
 
 def end_process_group(barrier: bool = True) -> None:
@@ -262,6 +272,10 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
     """Keyword arguments for `transformers.TrainingArguments` that agree with the spec's DeepSpeed JSON.
 
     >>> TrainingArguments(output_dir="out", per_device_train_batch_size=4, **training_arguments_kwargs(spec))
+
+    Inside a launch it also registers `end_process_group_at_exit` (Trainer destroys its process group only in an
+    explicit `trainer.end()`); end
+    the script with `hfscale.exit_rank(0)` to skip interpreter finalization altogether (the exit race, see exit_rank).
     """
     import os
 
@@ -274,6 +288,8 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
         raise ConfigError("HF Trainer does not apply FSDP2 on a CPU-only host (its Accelerator trains each rank unsharded); "
                           "train with recipes/train_clm.py or hfscale.make_accelerator in your own loop, or use a "
                           "DeepSpeed config with Trainer")
+    if launched:
+        end_process_group_at_exit()
     every = every_n_layers(spec.gradient_checkpointing)
     kw: dict = {
         "bf16": spec.precision == "bf16",

@@ -48,10 +48,8 @@ if way == "recipe":
     sys.argv = ["train_clm.py", "--config", str(plan_dir / "recipe.yaml"), "--output-dir", str(out / "run"),
                 "--max-steps", str(steps), "--eval-every", "0", "--save-every", "0", "--eval-blocks", "2",
                 "--max-train-blocks", "64", "--warmup-steps", "0", "--progress", "false"]
-    try:
-        runpy.run_path(str(ROOT / "recipes" / "train_clm.py"), run_name="__main__")
-    except SystemExit as e:
-        assert not e.code, f"recipe exited {e.code}"
+    code = runpy.run_path(str(ROOT / "recipes" / "train_clm.py"), run_name="recipe")["main"]()
+    assert not code, f"recipe exited {code}"
 elif way == "trainer":
     from transformers import Trainer, TrainingArguments
 

@@ -4,7 +4,8 @@
 
 `kill@POINT:STEP:RANK` SIGKILLs rank RANK at POINT ("step": after that optimizer step; "save": after
 it wrote its shard of that step's checkpoint) through hfscale.train.state.FAULT_HOOKS, the test seam
-the step loop and the checkpoint writer call; production code reads no environment for it.
+the step loop and the checkpoint writer call; production code reads no environment for it. `usr1@POINT:STEP:RANK`
+sends that rank SIGUSR1 there instead (the ranks agree on the stop in the next step's collective).
 `record@DIR` (alone or after a comma) appends every sequence index each rank reads, as
 `{"step", "rank", "world", "idx"}` lines, to DIR/indices.jsonl (the data order the resume tests compare), and
 each rank's exit status to DIR/exit_rank{RANK}.txt (the launcher reports only its own)."""
@@ -23,6 +24,8 @@ specs = spec.split(",")
 
 
 def kill_at(point, step, rank):
+    if f"usr1@{point}:{step}:{rank}" in specs:  # a stop request to this rank alone: all stop after the next step
+        os.kill(os.getpid(), signal.SIGUSR1)
     if f"kill@{point}:{step}:{rank}" in specs:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -40,10 +43,13 @@ if record:
 
     batching.rank_indices = recorded  # the step loop imports it from the module at call time
 sys.argv = [recipe, *args]
-try:
-    runpy.run_path(recipe, run_name="__main__")
-except SystemExit as e:
-    if record:
-        with open(os.path.join(record, f"exit_rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
-            f.write(str(e.code if isinstance(e.code, int) else 1))
-    raise
+try:  # the recipe's main(), then its own ending (exit_rank), with the status recorded between
+    code = runpy.run_path(recipe, run_name="recipe")["main"]()
+except SystemExit as e:  # argparse
+    code = e.code
+if record:
+    with open(os.path.join(record, f"exit_rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+        f.write(str(code if isinstance(code, int) else 1))
+from hfscale.scale.runtime import exit_rank  # noqa: E402
+
+exit_rank(code)

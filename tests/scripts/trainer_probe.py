@@ -11,7 +11,7 @@ from transformers import Trainer, TrainingArguments
 from hfscale.corpus import load_text, packed_blocks
 from hfscale.models import build_model, load_tokenizer
 from hfscale.scale.presets import PRESETS
-from hfscale.scale.runtime import training_arguments_kwargs
+from hfscale.scale.runtime import exit_rank, training_arguments_kwargs
 
 out, ds_file = Path(sys.argv[1]), sys.argv[2]
 tok = load_tokenizer("tiny-gemma3")
@@ -49,3 +49,4 @@ report = {
     "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
 }
 (out / f"trainer_rank{args.process_index}.json").write_text(json.dumps(report))
+exit_rank(0)  # a launched script's last line: no interpreter finalization for gloo's threads to race
