@@ -388,13 +388,17 @@ def test_resume_after_kill_9_of_one_rank(tmp_path, uninterrupted):
 
 @pytest.mark.engine
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
+    """The save a stop request starts (SIGUSR1 to rank 0 after step 4: every rank stops after step 5 and saves it,
+    a step --save-every 2 never saves) is SIGKILLed on rank 1 after it wrote its shard: the previous checkpoint
+    stays usable and --resume latest continues from it on the uninterrupted trajectory."""
     out = tmp_path / "run"
     rc, _ = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2",
-                   fault="kill@save:6:1", check=False)  # rank 1 dies after writing its shard
+                   fault="usr1@step:4:0,kill@save:5:1", check=False)  # rank 1 dies after writing its shard
     assert rc != 0
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names[1:] == ["step_00000002", "step_00000004"]  # and the interrupted save, under a stage name:
-    assert names[0].startswith(STAGE_PREFIX) and names[0].endswith(".step_00000006")
+    assert names[0].startswith(STAGE_PREFIX) and names[0].endswith(".step_00000005")
+    assert max(read_records(out / "metrics.jsonl")) == 5  # the stop came at the step boundary agreed on
     assert json.loads((out / "checkpoints" / "step_00000004" / "hfscale_state.json").read_text())["step"] == 4
     from hfscale.train.state import damage
 
@@ -520,7 +524,6 @@ def assert_follows(resumed: dict, reference: dict, steps):
     assert all(resumed[s]["tokens_seen"] == s * 512 for s in steps)  # the global batch kept: 512 tokens/step
 
 
-@pytest.mark.engine
 def _launch_precision() -> str:
     """What the shipped bf16 configs run as under the tiny recipe's precision auto: fp32 where bf16 is emulated."""
     from hfscale.hosts import bf16_support, resolve_precision
@@ -528,6 +531,7 @@ def _launch_precision() -> str:
     return resolve_precision("auto", "bf16", bf16_support("cpu")).precision
 
 
+@pytest.mark.engine
 def test_zero2_fallback_2_to_1_sigusr1_then_1_to_2(tmp_path, uninterrupted_run):
     """From the uninterrupted ZeRO-2 run's step 2 and 4 checkpoints, step 4 bit-flipped: 1 rank falls back to step 2
     (universal: saved by 2 ranks), SIGUSR1 stops it at a step boundary with a checkpoint and status 75; 2 ranks
@@ -567,9 +571,10 @@ def test_zero2_fallback_2_to_1_sigusr1_then_1_to_2(tmp_path, uninterrupted_run):
 
 @pytest.mark.engine
 def test_zero3_2_to_1_to_2_ranks(tmp_path):
-    """ZeRO-3 (parameters sharded too): 2 ranks save step 2; 1 rank resumes it until SIGUSR1 stops it with a
-    checkpoint; 2 ranks resume that to 6; against an uninterrupted 2-rank run of 6 steps (the same --max-steps
-    everywhere: the cosine schedule depends on it). The universal conversion is made once and then reused."""
+    """ZeRO-3 (parameters sharded too): 2 ranks save step 2; 1 rank resumes it with CPU offload (optimizer and
+    parameters: accelerate_configs/zero3_offload.yaml, DeepSpeed's CPU Adam) until SIGUSR1 stops it with a
+    checkpoint; 2 ranks resume that without offload to 6; against an uninterrupted 2-rank run of 6 steps (the same
+    --max-steps everywhere: the cosine schedule depends on it). The universal conversion is made once and then reused."""
     from hfscale.train.reshape import convert
 
     ref = tmp_path / "ref"
@@ -579,13 +584,14 @@ def test_zero3_2_to_1_to_2_ranks(tmp_path):
     shutil.copytree(ref / "checkpoints" / "step_00000002", ck / "step_00000002")
     before = {p.name: p.stat().st_mtime_ns for p in (ck / "step_00000002").rglob("*")}
     args = ["--max-steps", "6", "--save-every", "2", "--keep-last", "2", "--resume", "latest"]
-    rc, log = launch("zero3.yaml", out, *args, procs=1, fault=f"record@{tmp_path}", signal_after=3, check=False)
+    rc, log = launch("zero3_offload.yaml", out, *args, procs=1, fault=f"record@{tmp_path}", signal_after=3, check=False)
     assert rc == 128 + 10 and (tmp_path / "exit_rank0.txt").read_text() == "75", log[-3000:]
     assert "resuming step 2 saved by 2 ranks on 1 rank: universal checkpoint" in log
     assert "2 micro × 4 accum × 1 ranks × 64 = 512 tokens/step" in log
     assert {p.name: p.stat().st_mtime_ns for p in (ck / "step_00000002").rglob("*")} == before  # only read
     stopped = int(re.search(r"SIGUSR1: stopped after step (\d+), checkpoint", log).group(1))
     assert 3 <= stopped < 6
+    assert json.loads((ck / f"step_{stopped:08d}" / "hfscale_state.json").read_text())["offload_optimizer"] == "cpu"
     _, log = launch("zero3.yaml", out, *args, fault=f"record@{tmp_path}")
     assert f"resuming step {stopped} saved by 1 ranks on 2 ranks: universal checkpoint" in log
     assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), range(3, 7))
