@@ -32,7 +32,7 @@ MODEL = "gemma-3-270m"
 TRAIN = r'''
 import sys, torch
 from hfscale.models import load_config
-from hfscale.scale.runtime import make_accelerator, make_optimizer, set_deepspeed_micro_batch
+from hfscale.scale.runtime import exit_rank, make_accelerator, make_optimizer, set_deepspeed_micro_batch
 from hfscale.train.state import Checkpoints
 from transformers import AutoModelForCausalLM
 out = sys.argv[1]
@@ -48,6 +48,7 @@ acc.backward(loss)
 opt.step()
 Checkpoints(out, keep_last=1).save(acc, 1, {"model": "gemma-3-270m", "tokens_per_step": 64})
 acc.end_training()
+exit_rank(0)  # as the recipes end: no interpreter finalization for gloo's threads to race
 '''
 
 MEASURE = r'''
