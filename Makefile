@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PIP) install -q -c requirements.lock transformers accelerate peft bitsandbytes datasets torchao
 	# deepspeed builds against the torch already installed (its own build env would pull another)
 	$(PIP) install -q --no-build-isolation -c requirements.lock deepspeed
+	# DeepSpeed's CPU ops (cpu_adam, shm collectives, async_io / pin_memory for NVMe) built now, not in the first run
+	$(PY) tools/prebuild_deepspeed_ops.py
 	# edge runtimes: GGUF writer, ExecuTorch (beside torch, not replacing it), llama.cpp via its Python binding
 	$(PIP) install -q -c requirements.lock gguf executorch
 	$(PIP) install -q -c requirements.lock llama-cpp-python

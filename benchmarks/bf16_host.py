@@ -6,7 +6,7 @@
     --precision fp32 and --precision bf16, runs interleaved; median step time with the first steps dropped.
 
 Both are ratios measured in the same run, beside the host's CPU capability and bf16 flags
-(hfscale.hosts.bf16_support). On a host without AVX512-BF16 / AMX, a 2026-12-04 measurement on an AMD EPYC (AVX2 only) gave (a) 10.6x.
+(hfscale.util.hosts.bf16_support). On a host without AVX512-BF16 / AMX, a 2026-12-04 measurement on an AMD EPYC (AVX2 only) gave (a) 10.6x.
 
     .venv/bin/python benchmarks/bf16_host.py [--steps 12] [--repeats 2]
 """
@@ -28,9 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hfscale.atomic import write_text_atomic  # noqa: E402
-from hfscale.hosts import bf16_support  # noqa: E402
-from hfscale.proof import free_port  # noqa: E402
+from hfscale.util.atomic import write_text_atomic  # noqa: E402
+from hfscale.util.hosts import bf16_support  # noqa: E402
+from hfscale.proofs.engine import free_port  # noqa: E402
 from hfscale.train.metrics import read_records  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
           f"| same: tokens/s | {r['fp32']['tokens_per_s']:,.0f} | {r['bf16']['tokens_per_s']:,.0f} | |\n\n"
           "For comparison, a 2026-12-04 measurement (an AMD EPYC, CPU capability AVX2, no bf16 flags): GEMM 47 ms fp32 vs 501 ms bf16 "
           "(10.6x), tiny recipe 15 s/step in bf16. `precision: auto` (the tiny recipes, the demo, the engine tests) "
-          "runs fp32 where `hfscale.hosts.bf16_support()` says bf16 is emulated.\n")
+          "runs fp32 where `hfscale.util.hosts.bf16_support()` says bf16 is emulated.\n")
     write_text_atomic(RESULTS / "bf16_host.md", md)
     print(md)
     return 0

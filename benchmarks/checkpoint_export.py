@@ -98,8 +98,8 @@ def logits_equal(hf_dir: Path, bin_dir: Path) -> float:
 
 
 def main() -> int:
-    from hfscale.atomic import write_text_atomic
-    from hfscale.proof import free_port
+    from hfscale.util.atomic import write_text_atomic
+    from hfscale.proofs.engine import free_port
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)

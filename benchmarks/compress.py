@@ -35,14 +35,14 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hfscale.atomic import write_text_atomic  # noqa: E402
+from hfscale.util.atomic import write_text_atomic  # noqa: E402
 from hfscale.compress.evaluate import EvalData, calibration_blocks, heldout_blocks, recovered, score  # noqa: E402
 from hfscale.compress.ptq import ptq_in_memory, quantized_bytes_in_memory  # noqa: E402
 from hfscale.compress.qat import convert_qat_, prepare_qat_  # noqa: E402
 from hfscale.compress.schemes import QuantSpec  # noqa: E402
-from hfscale.corpus import load_text, packed_blocks  # noqa: E402
+from hfscale.models.corpus import load_text, packed_blocks  # noqa: E402
 from hfscale.models import build_model, load_tokenizer  # noqa: E402
-from hfscale.pretrained import TinyTraining, trained_tiny  # noqa: E402
+from hfscale.testing.trained import TinyTraining, trained_tiny  # noqa: E402
 
 from finetune import FineTune, finetune  # noqa: E402  (benchmarks/finetune.py)
 

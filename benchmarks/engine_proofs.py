@@ -5,7 +5,7 @@ state lives, and the loss gap to the reference. Writes benchmarks/results/engine
     .venv/bin/python benchmarks/engine_proofs.py                          # every config
     .venv/bin/python benchmarks/engine_proofs.py --only zero2_offload,zero3_offload   # rerun some, keep the rest
 
-Each rank runs hfscale.proof (hfscale.proof.launch). A DeepSpeed rank's report includes its fp32 master-weight
+Each rank runs hfscale.proofs.engine (hfscale.proofs.engine.launch). A DeepSpeed rank's report includes its fp32 master-weight
 and fp32 gradient partitions (elements and device) and the engine's own offload switches (ZeRO-1/2
 `cpu_offload`, ZeRO-3 `offload_optimizer` / `offload_param`), so that benchmarks/plan_accuracy.py can check
 hfscale plan's offloaded bytes, not only the Adam moments.
@@ -56,7 +56,7 @@ def row(name: str, reps: list[dict], ref: list[dict], seconds: float) -> dict:
 
 
 def _write(rows: list[dict]) -> None:
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
 
     out = ROOT / "benchmarks" / "results"
     write_text_atomic(out / "engine_proofs.json", json.dumps(rows, indent=1))
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         from hfscale.cli import main as cli
-        from hfscale.proof import launch
+        from hfscale.proofs.engine import launch
 
         if "zero3_nvme" in names:
             cli(["config", "zero3_nvme", "--nvme-path", str(tmp / "swap"), "--out-accelerate", str(tmp), "--out-deepspeed", str(tmp)])

@@ -30,7 +30,7 @@ PROBE = ROOT / "tests" / "scripts" / "exit_probe.py"
 def launch(ending: str, out: Path, timeout: int = 300) -> tuple[list[int | None], int, str]:
     """One `accelerate launch` (zero2.yaml, 2 processes) of the probe with `ending`: each rank's exit status (None:
     the rank was killed by the launcher after another failed), the launcher's status, its output."""
-    from hfscale.proof import free_port
+    from hfscale.proofs.engine import free_port
 
     out.mkdir(parents=True)
     rank = f"{shlex.quote(sys.executable)} {shlex.quote(str(PROBE))} {ending} {shlex.quote(str(out))}"

@@ -4,7 +4,7 @@ on a tiny Gemma-4-MoE-shaped model whose experts dominate its bytes.
     nice -n 5 .venv/bin/python benchmarks/experts.py [--threads 1] [--fresh]   # ~25 min on 2 busy cores
     -> benchmarks/results/experts.{md,json,png}
 
-Model: hfscale.experts.tiny's 26B-A4B block (shared MLP + routed experts, softmax -> top-k -> renormalised
+Model: hfscale.testing.tiny_moe's 26B-A4B block (shared MLP + routed experts, softmax -> top-k -> renormalised
 -> per-expert scale) at hidden 384, 64 experts of width 192, top-8, 8 layers, fp32 (this host emulates
 bf16), seeded random init with jittered scales (training a 0.5 GB model does not fit the time; so
 routing is that of an untrained router, close to uniform, and hit rates track the cached share).
@@ -197,12 +197,12 @@ def main() -> int:
     from tqdm import tqdm
 
     from hfscale.compress.evaluate import calibration_blocks, heldout_blocks, EvalData
-    from hfscale.experts.tiny import cached_tiny_moe
+    from hfscale.testing.tiny_moe import cached_tiny_moe
     from hfscale.export import FORMATS
     from hfscale.export.bench import host_info
     from hfscale.export.evalset import EvalSet
     from hfscale.models import load_config, load_tokenizer
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
     from hfscale.plan.memory import expert_params
     from hfscale.plan.moe_serving import lru_traffic, measure_routing
 
@@ -310,7 +310,7 @@ def main() -> int:
         "rows": rows, "seconds": round(time.time() - t0, 1),
     }
     OUT.mkdir(parents=True, exist_ok=True)
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
 
     write_text_atomic(OUT / "experts.json", json.dumps(result, indent=1) + "\n")
     write_text_atomic(OUT / "experts.md", _markdown(result))
@@ -419,7 +419,7 @@ def _plot(res: dict, out: Path) -> None:
     b.invert_yaxis()
     fig.suptitle(f"tiny Gemma-4 MoE, {res['model']['expert_share']:.0%} experts, {res['host']['cpu_capability']}")
     fig.tight_layout()
-    from hfscale.atomic import staged
+    from hfscale.util.atomic import staged
 
     with staged(out) as tmp:
         fig.savefig(tmp, dpi=90, format="png")

@@ -1,6 +1,6 @@
 """Edge export, measured in the target runtimes. Writes benchmarks/results/export.{json,md}.
 
-1. The trained tiny Gemma 3 (hfscale.pretrained.trained_tiny, 1200 steps by default): every GGUF qtype in llama.cpp and
+1. The trained tiny Gemma 3 (hfscale.testing.trained.trained_tiny, 1200 steps by default): every GGUF qtype in llama.cpp and
    every .pte qtype in executorch.runtime: file size, top-1 agreement and max |dlogit| vs
    transformers fp32 on the held-out prompt set, perplexity on the held-out slice.
 2. A larger config built from dimensions (random init, 8 layers, hidden 512): GGUF sizes, export
@@ -34,13 +34,13 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hfscale.atomic import write_text_atomic  # noqa: E402
+from hfscale.util.atomic import write_text_atomic  # noqa: E402
 from hfscale.compress.ggml_grid import convert_q4_0_, prepare_q4_0_qat_  # noqa: E402
-from hfscale.corpus import load_text, packed_blocks  # noqa: E402
+from hfscale.models.corpus import load_text, packed_blocks  # noqa: E402
 from hfscale.export import FORMATS  # noqa: E402
 from hfscale.export.evalset import EvalSet  # noqa: E402
 from hfscale.models import build_model, load_tokenizer  # noqa: E402
-from hfscale.pretrained import TinyTraining, trained_tiny  # noqa: E402
+from hfscale.testing.trained import TinyTraining, trained_tiny  # noqa: E402
 
 from finetune import FineTune, finetune  # noqa: E402  (benchmarks/finetune.py)
 

@@ -31,7 +31,7 @@ ARGS = ["--seq-len", "128", "--global-batch-tokens", "2048", "--micro-batch", "4
 
 
 def run_engine(name: str, tmp: Path) -> dict:
-    from hfscale.proof import free_port
+    from hfscale.proofs.engine import free_port
     from hfscale.train.metrics import read_records
 
     out = tmp / name
@@ -99,7 +99,7 @@ def markdown(res: dict) -> str:
 
 
 def main() -> int:
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
 
     t0 = time.time()
     runs = []

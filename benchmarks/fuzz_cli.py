@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
 import test_fuzz_cli as fz  # noqa: E402
-from hfscale.atomic import write_text_atomic  # noqa: E402
+from hfscale.util.atomic import write_text_atomic  # noqa: E402
 
 # share of the cases per verb: the verbs whose successful cases cost seconds (quantize, eval) get fewer
 WEIGHT = {"config": 20, "plan": 20, "doctor": 14, "slurm": 12, "prove": 10, "cli": 6, "tiny": 5, "quantize": 5,

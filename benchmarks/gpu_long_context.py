@@ -45,9 +45,9 @@ def trial(model: str, seq: int, which: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.checkpointing import apply_checkpointing_
+    from hfscale.scale.checkpointing import apply_checkpointing_
     from hfscale.models import load_config
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
     from hfscale.plan.trace import _Optimizer
     from hfscale.scale.long_context import apply_levers_, with_levers
 
@@ -93,9 +93,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_long_context: no CUDA device on this host: nothing measured, nothing written")
         return 0
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
     from hfscale.models import load_config
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
     from hfscale.plan.long_context import lever_prediction, longest_sequence
     from hfscale.plan.planner import Hardware, peak_bytes
 

@@ -35,7 +35,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_peak: no CUDA device on this host: nothing measured, nothing written")
         return 0
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
 
     t0, rows = time.time(), []
     for model, config, ckpt, mb, seq in ROWS:

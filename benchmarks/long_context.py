@@ -57,7 +57,7 @@ def worker(kind: str, lever: str, seq: int) -> dict:
         return {ph: {"measured": step[ph].bytes, "traced": traced[ph].bytes} for ph in step}
     from transformers import AutoModelForCausalLM
 
-    from hfscale.checkpointing import apply_checkpointing_
+    from hfscale.scale.checkpointing import apply_checkpointing_
     from hfscale.scale.long_context import Levers, apply_levers_, with_levers
 
     def build(levers):
@@ -105,7 +105,7 @@ def _sub(kind, lever, seq) -> dict:
 
 def analytic(lever: str, seq: int):
     from hfscale.models import tiny_config
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
     from hfscale.plan.long_context import lever_prediction
     from hfscale.plan.memory import Strategy
 
@@ -120,7 +120,7 @@ def frontier() -> list[dict]:
     from transformers import LlamaConfig
 
     from hfscale.models import load_config
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
     from hfscale.plan.long_context import alst_levers, lever_prediction, longest_sequence
     from hfscale.plan.memory import Strategy
     from hfscale.plan.planner import Hardware, peak_bytes
@@ -177,7 +177,7 @@ def _row(lever: str, seq: int, plain: dict) -> dict:
 def rerun(levers: list[str], speed: bool) -> int:
     """--redo LEVER...: measure those levers' rows again (bytes and tokens/s); --speed LEVER...: only their tokens/s
     (the bytes do not depend on the host's load); into the written results."""
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
 
     res = json.loads((OUT / "long_context.json").read_text())
     for i, r in enumerate(res["rows"]):
@@ -196,7 +196,7 @@ def rerun(levers: list[str], speed: bool) -> int:
 
 
 def main() -> int:
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
 
     t0 = time.time()
     plain = {seq: _sub("measure", "", seq) for seq in SEQS}

@@ -5,7 +5,7 @@ equality checks against the 1-process model (logits, loss, gradients), plus TP 2
 
     nice -n 5 .venv/bin/python benchmarks/parallel.py          # ~6 min on 2 shared cores
 
-Writes benchmarks/results/parallel.{json,md,png}. Every number comes from hfscale.parallel_proof's rank reports
+Writes benchmarks/results/parallel.{json,md,png}. Every number comes from hfscale.proofs.parallel's rank reports
 (tiny Gemma 3, fp32, sdpa, ZeRO-3 over gloo); tokens/s is the 2-process group's, timed over steps 2.. of each run.
 """
 
@@ -29,7 +29,7 @@ def _host() -> dict:
 
     import torch
 
-    from hfscale.hosts import bf16_support
+    from hfscale.util.hosts import bf16_support
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
     return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16": bf16_support("cpu").detail,
@@ -50,22 +50,22 @@ def _write_configs(d: Path) -> dict[str, Path]:
 
 def _predicted_saved(seq: int, sp: int) -> int:
     from hfscale.models import tiny_config
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
     from hfscale.plan.memory import activation_bytes
 
     return activation_bytes(dims_from_config(tiny_config()), 1, seq // sp, "fp32", "off", "sdpa")["total"]
 
 
 def _run(config: Path, out: Path, *extra: str) -> list[dict]:
-    from hfscale.proof import launch
+    from hfscale.proofs.engine import launch
 
-    return launch(config, out, 2, extra=["--mode", *extra], module="hfscale.parallel_proof", precision="fp32", timeout=900)
+    return launch(config, out, 2, extra=["--mode", *extra], module="hfscale.proofs.parallel", precision="fp32", timeout=900)
 
 
 def main() -> int:
     from tqdm import tqdm
 
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
 
     res: dict = {"host": _host(), "sp": [], "tp": {}, "trap": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +103,7 @@ def main() -> int:
                 "loss_max_abs_diff": max(abs(a - b) for a, b in zip(r["losses"], r["reference_losses"])),
                 "grad_max_abs_diff": r["grad_max_abs_diff"], "worst_grad_param": worst[0], "worst_grad_rel_diff": worst[1]}
     from hfscale.models import tiny_config
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
     from hfscale.plan.parallel import params_per_tp_rank
 
     res["tp"]["param_numel_predicted"] = params_per_tp_rank(dims_from_config(tiny_config()), 2)
@@ -162,7 +162,7 @@ def _plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hfscale.atomic import staged
+    from hfscale.util.atomic import staged
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for sp, style in ((1, "o-"), (2, "s-")):

@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hfscale.atomic import write_text_atomic  # noqa: E402
+from hfscale.util.atomic import write_text_atomic  # noqa: E402
 from hfscale.models import build_model, load_config, tiny_config  # noqa: E402
-from hfscale.plan.dims import dims_from_config  # noqa: E402
+from hfscale.models.dims import dims_from_config  # noqa: E402
 from hfscale.plan.measure import saved_activation_bytes  # noqa: E402
 from hfscale.plan.memory import Strategy, activation_bytes, model_state_bytes  # noqa: E402
 from test_plan import _set_checkpointing, _small  # noqa: E402

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/plan_default.py       # -> benchmarks/results/plan_default.{md,json}
 
-For each of 13 transformers causal-LM families (tiny configs from hfscale.plan.zoo, saved as a config.json so the
+For each of 13 transformers causal-LM families (tiny configs from hfscale.testing.zoo, saved as a config.json so the
 plan goes the way a user's does: `hfscale.plan.plan(path, ...)`, the library call behind the CLI), in a fresh
 process per row:
   measured   two real training steps on the CPU (random weights, AdamW), every live tensor counted by torch's
@@ -47,7 +47,7 @@ def one_row(row: list) -> dict:
     """In a fresh process: real steps first (a second real run in one process counts one tensor fewer), then the plan."""
     from hfscale.plan import plan
     from hfscale.plan.trace import measure_steps
-    from hfscale.plan.zoo import ARCHITECTURES
+    from hfscale.testing.zoo import ARCHITECTURES
 
     arch, mb, seq, precision, ckpt, lora = row
     config = ARCHITECTURES[arch]()
@@ -133,7 +133,7 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--row":
         print(json.dumps(one_row(json.loads(sys.argv[2]))))
         return 0
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
 
     res = {"host": host(), "rows": run_rows()}
     write_text_atomic(OUT / "plan_default.json", json.dumps(res, indent=1))

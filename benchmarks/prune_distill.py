@@ -2,7 +2,7 @@
 device. Writes benchmarks/results/prune_distill.{json,md}.
 
 Quality (held-out perplexity on the first 64 blocks of the built-in corpus's validation split, 8,128 tokens):
-  teacher              hfscale.pretrained.trained_tiny() (3.0M parameters, 300 steps x 16 x 128 tokens)
+  teacher              hfscale.testing.trained.trained_tiny() (3.0M parameters, 300 steps x 16 x 128 tokens)
   pruned               hfscale.compress.prune.prune(teacher, PruneTarget(params=0.5)), no training
   pruned + distilled   --steps of KL(teacher || student), T = 1 (benchmarks/finetune.py's loop, distill=1.0)
   pruned + CE          the same steps on the data alone (no teacher): what the pruned init gives by itself
@@ -37,13 +37,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hfscale.atomic import write_text_atomic  # noqa: E402
+from hfscale.util.atomic import write_text_atomic  # noqa: E402
 from hfscale.compress.evaluate import EvalData, calibration_blocks, heldout_blocks, score  # noqa: E402
 from hfscale.compress.prune import PruneTarget, describe, prune  # noqa: E402
 from hfscale.compress.save import save_model_dir  # noqa: E402
-from hfscale.corpus import load_text, packed_blocks  # noqa: E402
+from hfscale.models.corpus import load_text, packed_blocks  # noqa: E402
 from hfscale.models import load_for_eval  # noqa: E402
-from hfscale.pretrained import trained_tiny  # noqa: E402
+from hfscale.testing.trained import trained_tiny  # noqa: E402
 
 from finetune import FineTune, finetune  # noqa: E402  (benchmarks/finetune.py)
 
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=1, help="torch threads for training and runtime threads for bench "
                    "(1: the 2 cores here are shared; more threads than free cores make OpenMP spin)")
-    p.add_argument("--teacher", help="a trained transformers dir (default: hfscale.pretrained.trained_tiny())")
+    p.add_argument("--teacher", help="a trained transformers dir (default: hfscale.testing.trained.trained_tiny())")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prune_distill"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

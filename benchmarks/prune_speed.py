@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hfscale.atomic import staged, write_text_atomic  # noqa: E402
+from hfscale.util.atomic import staged, write_text_atomic  # noqa: E402
 
 HFSCALE = [str(Path(sys.executable).with_name("hfscale"))]  # the console script beside this interpreter
 FORMATS = (("gguf F16", "gguf", "F16"), ("gguf Q4_0", "gguf", "Q4_0"), ("pte 8da4w", "pte", "8da4w"))

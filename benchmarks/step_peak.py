@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/step_peak.py            # -> benchmarks/results/step_peak.{md,json}
 
-1. One process, 12 transformers families (tiny configs from hfscale.plan.zoo) in fp32 / bf16 (DeepSpeed's
+1. One process, 12 transformers families (tiny configs from hfscale.testing.zoo) in fp32 / bf16 (DeepSpeed's
    layout: bf16 weights + fp32 master) / bf16 autocast / pure bf16, checkpointing off / full / every:2,
    micro batch 1-4, LoRA, accumulation: real steps measured with torch's MemTracker
    (`trace.measure_steps`, each row in a fresh process) against `peak.step_prediction` (the plan's path:
@@ -67,7 +67,7 @@ def one_row(row: list) -> dict:
     """Run in a fresh process: real steps first (a second real run in one process counts one tensor fewer)."""
     from hfscale.plan.peak import step_prediction
     from hfscale.plan.trace import measure_steps
-    from hfscale.plan.zoo import ARCHITECTURES
+    from hfscale.testing.zoo import ARCHITECTURES
 
     arch, mb, seq, precision, ckpt, extra = row
     config = ARCHITECTURES[arch]()
@@ -164,7 +164,7 @@ def run_zero() -> list[dict]:
 
 # FSDP2 (hfscale config fsdp2 + flags) under 2 processes, as accelerate's fsdp2_prepare_model wraps the model:
 # (row name, hfscale config flags, checkpointing, precision); checkpointing is transformers' (the YAML's
-# fsdp_activation_checkpointing fails on transformers' decoder layers: hfscale.checkpointing.with_launch)
+# fsdp_activation_checkpointing fails on transformers' decoder layers: hfscale.scale.checkpointing.with_launch)
 FSDP_ROWS = [("fsdp2", [], "off", "fp32"), ("fsdp2", [], "off", "bf16"),
              ("fsdp2 no reshard", ["--no-reshard-after-forward"], "off", "fp32"),
              ("fsdp2 offload", ["--offload-params", "cpu"], "off", "fp32"), ("fsdp2", [], "every:2", "fp32"),
@@ -190,7 +190,7 @@ RECIPE_ROWS = [("zero2", "off"), ("zero2", "every:2"), ("ddp", "off")]
 def run_recipe() -> list[dict]:
     from tqdm import tqdm
 
-    from hfscale.proof import free_port
+    from hfscale.proofs.engine import free_port
 
     rows = []
     for name, ckpt in tqdm(RECIPE_ROWS, desc="recipe --profile-memory"):
@@ -288,7 +288,7 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--row":
         print(json.dumps(one_row(json.loads(sys.argv[2])), default=str))
         return 0
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
 
     t0 = time.time()
     only = sys.argv[1] if len(sys.argv) > 1 else "all"

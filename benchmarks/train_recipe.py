@@ -27,13 +27,13 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hfscale.atomic import write_text_atomic  # noqa: E402
+from hfscale.util.atomic import write_text_atomic  # noqa: E402
 from hfscale.models import tiny_config  # noqa: E402
-from hfscale.plan.dims import dims_from_config  # noqa: E402
+from hfscale.models.dims import dims_from_config  # noqa: E402
 from hfscale.plan.measure import saved_activation_bytes  # noqa: E402
 from hfscale.plan.memory import activation_bytes  # noqa: E402
-from hfscale.proof import free_port  # noqa: E402
-from hfscale.checkpointing import apply_checkpointing_, resolve  # noqa: E402
+from hfscale.proofs.engine import free_port  # noqa: E402
+from hfscale.scale.checkpointing import apply_checkpointing_, resolve  # noqa: E402
 from hfscale.train.metrics import read_records  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -37,7 +37,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from hfscale.errors import HfscaleError
+    from hfscale.util.errors import HfscaleError
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -117,7 +117,7 @@ def train(cfg, force, pre) -> int:
     shares = gather_shares(accelerator, teacher)  # after every forward: what stays resident between them
     saved = save_final(accelerator, model, tokenizer, out / "model")
     if main_rank:
-        from hfscale.atomic import write_text_atomic
+        from hfscale.util.atomic import write_text_atomic
 
         report = {"teacher": cfg.teacher, "student": cfg.model, "steps": cfg.max_steps, "world": accelerator.num_processes,
                   "tokens_per_step": plan.tokens_per_step, "eval_tokens": int(val_blocks[:, 1:].numel()),

@@ -29,7 +29,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from hfscale.errors import HfscaleError
+    from hfscale.util.errors import HfscaleError
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -129,7 +129,7 @@ def train(cfg, force, pre) -> int:
 def finish(cfg, spec, state, tokenizer, val_blocks, out: Path) -> None:
     import torch
 
-    from hfscale.atomic import write_text_atomic
+    from hfscale.util.atomic import write_text_atomic
     from hfscale.compress.evaluate import perplexity, qat_table, recovered
     from hfscale.compress.ptq import ptq_in_memory
     from hfscale.compress.qat import convert_qat_, merge_lora

@@ -30,7 +30,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from hfscale.errors import HfscaleError
+    from hfscale.util.errors import HfscaleError
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -64,7 +64,7 @@ def check_parallel(cfg, pre):
     if parallel.size > 1:
         refuse_parallel_on_cpu(os.environ)
         if parallel.tp > 1 or parallel.cp > 1:
-            from hfscale.errors import HfscaleError
+            from hfscale.util.errors import HfscaleError
 
             raise HfscaleError(f"train_clm runs data and sequence parallelism; this launch asks for tp {parallel.tp} / cp "
                                f"{parallel.cp}: use an accelerate config with --sp (hfscale config zero3 --sp N), or load "
@@ -76,7 +76,7 @@ def check_parallel(cfg, pre):
 def train(cfg, force, pre, parallel) -> int:
     from hfscale.models import build_model, load_tokenizer
     from hfscale.scale.runtime import make_optimizer
-    from hfscale.checkpointing import apply_checkpointing_
+    from hfscale.scale.checkpointing import apply_checkpointing_
     from hfscale.scale.long_context import apply_levers_, with_levers
     from hfscale.scale.ulysses import per_layer_heads
     from hfscale.train.loop import evaluate, lm_loss, load_blocks, resume_from, start_run, train_steps

@@ -57,6 +57,7 @@ def root():
 # fixtures that train: `trained` (the tiny fixture, 300 steps on a fresh cache), `pair` (test_distill_recipe: a
 # 40-step teacher and its pruned student)
 SLOW_FIXTURES = {"trained", "pair"}
+ENGINE_FIXTURES = {"uninterrupted_run"}  # test_recipe: a 2-process ZeRO-2 run the elastic tests compare against
 SLOW_TESTS = {  # file -> test-name prefixes ("" = every test in the file): why
     "test_bench.py": ("",),                    # llama.cpp and ExecuTorch runs, one process per measurement
     "test_export_pte.py": ("",),               # ExecuTorch lowering (~75 s) and runtime
@@ -66,11 +67,16 @@ SLOW_TESTS = {  # file -> test-name prefixes ("" = every test in the file): why
     "test_outputs.py": ("test_kill_gguf", "test_kill_pte", "test_kill_checkpoint", "test_kill_quantize"),  # real exports / saves killed
     "test_profile.py": ("test_one_process_timeline",),  # real steps in a subprocess
     "test_cli_refusals.py": ("test_weight_only_ptq",),  # two real PTQ runs (quantize, save, reload, compare)
+    "test_outputs.py#umask": ("test_every_writer_gets_the_umask_modes",),  # every writer for real, twice
+    "test_trace.py": ("test_fake_trace_equals_real_steps", "test_plan_trace_any_architecture"),  # real steps, 13 families
+    "test_prune.py": ("test_params_target_saves",),  # prune + save + reload per family
 }
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        prefixes = SLOW_TESTS.get(item.path.name, ())
+        prefixes = [p for k, v in SLOW_TESTS.items() if k.split("#")[0] == item.path.name for p in v]
         if SLOW_FIXTURES & set(item.fixturenames) or any(item.name.startswith(p) for p in prefixes):
             item.add_marker(pytest.mark.slow)
+        if ENGINE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.engine)

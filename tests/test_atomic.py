@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from hfscale.atomic import check_writable, write_text_atomic
-from hfscale.errors import HfscaleError
+from hfscale.util.atomic import check_writable, write_text_atomic
+from hfscale.util.errors import HfscaleError
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temp(tmp_path):

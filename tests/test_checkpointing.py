@@ -1,4 +1,4 @@
-"""Activation checkpointing has one home (hfscale.checkpointing), and every:K survives leaving hfscale:
+"""Activation checkpointing has one home (hfscale.scale.checkpointing), and every:K survives leaving hfscale:
 what `hfscale plan --write` picked and costed is what trains, in the recipe, under HF Trainer and in a
 plain accelerate loop, counted layer by layer in real 2-process runs."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hfscale.checkpointing import checkpointed_layers, every_n_layers, parse_checkpointing, resolve
-from hfscale.errors import ConfigError
+from hfscale.scale.checkpointing import checkpointed_layers, every_n_layers, parse_checkpointing, resolve
+from hfscale.util.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def test_one_parser_one_layer_choice():
 
 def test_planner_and_memory_count_the_layers_the_model_checkpoints():
     """The planner's candidates use auto's K, aligned to the layer pattern (Gemma 3: 5 sliding + 1 global)."""
-    from hfscale.checkpointing import resolve
+    from hfscale.scale.checkpointing import resolve
     from hfscale.plan import Hardware, plan
 
     # 26 layers: sqrt -> every:5, aligned to the 6-layer pattern -> every:6
@@ -77,7 +77,7 @@ def test_fsdp2_checkpointing_is_written_for_the_training_code():
 
 
 def test_launch_that_checkpoints_with_accelerate_is_refused_in_one_line():
-    from hfscale.checkpointing import with_launch
+    from hfscale.scale.checkpointing import with_launch
 
     assert with_launch("every:2", False) == "every:2"
     for mode in ("every:2", "full", "off"):
@@ -108,7 +108,7 @@ def _gpu_mem_that_picks_every_2(precision):
 
 @pytest.fixture(scope="module")
 def plan_dir(tmp_path_factory):
-    from hfscale.hosts import bf16_support, resolve_precision
+    from hfscale.util.hosts import bf16_support, resolve_precision
 
     precision = resolve_precision("auto", "bf16", bf16_support("cpu")).precision  # fp32 where bf16 is emulated
     gpu_mem, best = _gpu_mem_that_picks_every_2(precision)
@@ -136,7 +136,7 @@ def test_plan_write_states_every_k_in_each_file(plan_dir):
 @pytest.mark.engine
 @pytest.mark.parametrize("way", ["recipe", "trainer", "loop"])
 def test_every_k_trains_as_planned(plan_dir, tmp_path, way):
-    from hfscale.proof import free_port
+    from hfscale.proofs.engine import free_port
 
     out, best = plan_dir
     yaml_cfg = next(p for p in out.glob("*.yaml") if p.name not in ("training_args.yaml", "recipe.yaml"))

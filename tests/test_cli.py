@@ -27,7 +27,7 @@ def _one_line_error(r):
         (["config", "multinode_zero3", "--num-processes", "3"], "multiple of 2"),
         (["config", "zero3", "--machine-rank", "1"], "--machine-rank"),
         (["config", "--spec", "{spec}"], "did you mean 'offload_params'"),
-        (["config", "--spec", "{missing}"], "cannot read"),
+        (["config", "--spec", "{missing}"], "not found"),
         (["config"], "name a preset"),
         (["config", "zero9"], "invalid choice"),
         (["prove", "--config", "{missing}"], "hfscale config"),
@@ -87,7 +87,7 @@ def test_help_has_examples(cli):
 
 
 def test_quiet_by_default_verbose_shows_third_party_notices(cli, root):
-    """hfscale/quiet.py's known noise is gone from stderr by default and back with --verbose; the command's
+    """hfscale/util/quiet.py's known noise is gone from stderr by default and back with --verbose; the command's
     own output is the same either way."""
     quiet = cli("doctor", "--deepspeed", root / "ds_configs" / "zero2.json", cwd=root)
     loud = cli("doctor", "--deepspeed", root / "ds_configs" / "zero2.json", "--verbose", cwd=root)

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from hfscale.compress.schemes import PTQ_SCHEMES, QAT_SCHEMES, SCHEMES, QuantSpec
-from hfscale.errors import ConfigError, HfscaleError
+from hfscale.util.errors import ConfigError, HfscaleError
 
 IDS = torch.arange(96).remainder(4090).add(3).unsqueeze(0)
 
 
 @pytest.fixture(scope="session")
 def trained():
-    from hfscale.pretrained import trained_tiny
+    from hfscale.testing.trained import trained_tiny
 
     return str(trained_tiny())
 

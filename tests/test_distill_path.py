@@ -38,7 +38,7 @@ def _run(cmd, log: Path):
 
 
 def _launch_distill(out: Path, student: str, teacher: str, placement: str):
-    from hfscale.proof import free_port
+    from hfscale.proofs.engine import free_port
 
     return _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                  str(ROOT / "accelerate_configs/zero2.yaml"), "--num_processes", "2", "--num_machines", "1",
@@ -52,7 +52,7 @@ def path_runs(tmp_path_factory):
     """The pruned student (hfscale prune) and the two 2-process distillation runs."""
     from conftest import run_cli as cli
 
-    from hfscale.pretrained import TinyTraining, trained_tiny
+    from hfscale.testing.trained import TinyTraining, trained_tiny
 
     d = tmp_path_factory.mktemp("path")
     teacher = str(trained_tiny(TinyTraining(steps=40, batch=8, warmup=5), progress=False))

@@ -27,7 +27,7 @@ def pair(tmp_path_factory):
     from hfscale.compress.prune import PruneTarget, prune
     from hfscale.compress.save import save_model_dir
     from hfscale.models import load_for_eval
-    from hfscale.pretrained import TinyTraining, trained_tiny
+    from hfscale.testing.trained import TinyTraining, trained_tiny
 
     teacher = str(trained_tiny(TinyTraining(steps=40, batch=8, warmup=5), progress=False))
     model, tok = load_for_eval(teacher)
@@ -38,7 +38,7 @@ def pair(tmp_path_factory):
 
 
 def _launch(out: Path, *args, fault=None):
-    from hfscale.proof import free_port
+    from hfscale.proofs.engine import free_port
 
     script = [str(ROOT / "tests" / "scripts" / "faulty_recipe.py"), fault, str(RECIPE)] if fault else [str(RECIPE)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs/zero2.yaml"),
@@ -56,7 +56,7 @@ def test_distill_zero2_two_processes_kill_resume_save(tmp_path, pair):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.corpus import load_text, packed_blocks
+    from hfscale.models.corpus import load_text, packed_blocks
     from hfscale.models import load_tokenizer
     from hfscale.train.metrics import read_records
     from hfscale.train.state import saved_numel

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hfscale.doctor import check, check_setup
 from hfscale.doctor.inputs import Setup
-from hfscale.errors import HfscaleError
+from hfscale.util.errors import HfscaleError
 
 ROOT = Path(__file__).resolve().parents[1]
 DS3 = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())

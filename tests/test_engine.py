@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.errors import HfscaleError
-from hfscale.hosts import bf16_support, resolve_precision
-from hfscale.proof import free_port, launch
+from hfscale.util.errors import HfscaleError
+from hfscale.util.hosts import bf16_support, resolve_precision
+from hfscale.proofs.engine import free_port, launch
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from hfscale.errors import HfscaleError
+from hfscale.util.errors import HfscaleError
 from hfscale.experts import ExpertCache, from_pretrained, offload_
-from hfscale.experts.tiny import build_tiny_moe, tiny_moe_config
+from hfscale.testing.tiny_moe import build_tiny_moe, tiny_moe_config
 
 from conftest import run_cli
 

@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 import pytest
 
-from hfscale.errors import HfscaleError
+from hfscale.util.errors import HfscaleError
 from hfscale.export import FORMATS
 from hfscale.export.evalset import EvalSet
 from hfscale.export.gguf import check_supported
@@ -68,7 +68,7 @@ def _build(cfg, out, steps: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.corpus import load_text, packed_blocks
+    from hfscale.models.corpus import load_text, packed_blocks
     from hfscale.models import load_tokenizer
 
     tok = load_tokenizer("tiny-gemma3")

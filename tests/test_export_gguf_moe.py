@@ -1,7 +1,7 @@
 """GGUF export of a Gemma 4 mixture-of-experts model (26B-A4B's block: shared MLP + routed experts, softmax
 router -> top-k -> renormalised -> per-expert scale), checked in llama.cpp itself against transformers.
 
-The model is hfscale.experts.tiny's 26B-A4B shape (16 experts, top-4, 4 layers), its router scales,
+The model is hfscale.testing.tiny_moe's 26B-A4B shape (16 experts, top-4, 4 layers), its router scales,
 per-expert scales and norms jittered away from 1 so that a dropped or misnamed scale shows, trained 30
 steps so that next-token distributions are peaked (a random init makes top-1 agreement noise).
 """
@@ -12,7 +12,7 @@ import pytest
 
 from hfscale.export import FORMATS
 from hfscale.export.evalset import EvalSet
-from hfscale.experts.tiny import F, S, cached_tiny_moe
+from hfscale.testing.tiny_moe import F, S, cached_tiny_moe
 
 ES = EvalSet(n_prompts=4, prompt_tokens=96, ppl_blocks=4, seq_len=128)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hfscale.errors import HfscaleError
+from hfscale.util.errors import HfscaleError
 from hfscale.export import FORMATS
 from hfscale.export.evalset import EvalSet
 
@@ -15,7 +15,7 @@ ES = EvalSet(n_prompts=2, prompt_tokens=80, ppl_blocks=2, seq_len=128)
 
 @pytest.fixture(scope="session")
 def trained():
-    from hfscale.pretrained import trained_tiny
+    from hfscale.testing.trained import trained_tiny
 
     return str(trained_tiny())
 

@@ -204,7 +204,7 @@ def plan_cases(draw):
     model = draw(st.sampled_from(PLAN_MODELS))
     files = []
     if model == "in/config.json":
-        base = json.loads((ROOT / "hfscale" / "data" / "models" / "gemma-3-1b.json").read_text())
+        base = json.loads((ROOT / "hfscale" / "models" / "data" / "models" / "gemma-3-1b.json").read_text())
         files.append(("in/config.json", draw(spec_files("json", base))))
     inp = model if model.startswith("in/") else None
     argv = ["plan", "--model", model]
@@ -491,8 +491,8 @@ def _patches():
     def exec_(*a, **k):
         raise Exec()
 
-    return [mock.patch("os.execvp", exec_), mock.patch("hfscale.proof.launch", refuse),
-            mock.patch("hfscale.demo.run_demo", refuse)]
+    return [mock.patch("os.execvp", exec_), mock.patch("hfscale.proofs.engine.launch", refuse),
+            mock.patch("hfscale.proofs.demo.run_demo", refuse)]
 
 
 def run_case(case: Case, model_src: Path | None, want_rc: bool = False):

@@ -13,7 +13,7 @@ import torch
 
 from hfscale.compress import gptq
 from hfscale.compress.schemes import QuantSpec
-from hfscale.errors import HfscaleError
+from hfscale.util.errors import HfscaleError
 
 IntxUnpackedToInt8Tensor = pytest.importorskip(
     "torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor").IntxUnpackedToInt8Tensor
@@ -131,14 +131,14 @@ def test_bad_group_size_names_the_fix():
 
 @pytest.fixture(scope="session")
 def trained():
-    from hfscale.pretrained import trained_tiny
+    from hfscale.testing.trained import trained_tiny
 
     return str(trained_tiny())
 
 
 @pytest.fixture(scope="session")
 def data(trained):
-    from hfscale.corpus import load_text, packed_blocks
+    from hfscale.models.corpus import load_text, packed_blocks
     from hfscale.models import load_tokenizer
 
     tok, ds = load_tokenizer(trained), load_text()

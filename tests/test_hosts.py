@@ -1,4 +1,4 @@
-"""Native-bf16 detection (hfscale.hosts), the precision a run chooses from it, doctor's warning, and
+"""Native-bf16 detection (hfscale.util.hosts), the precision a run chooses from it, doctor's warning, and
 the training recipe's pre-flight reading precision / micro batch / accumulation from the real launch."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.hosts import Bf16Support, bf16_support, cpu_bf16, resolve_precision
+from hfscale.util.hosts import Bf16Support, bf16_support, cpu_bf16, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 AVX2 = cpu_bf16("AVX2", {"avx", "avx2", "fma"})  # an AMD EPYC host measured on 2026-12-04 (AVX2 only)
@@ -38,7 +38,7 @@ def test_this_host_matches_its_cpuinfo_flags():
 
 @pytest.mark.parametrize("forced,native", [("0", False), ("1", True)])
 def test_environment_override(forced, native):
-    code = "from hfscale.hosts import bf16_support; s = bf16_support('cpu'); print(s.native, s.detail)"
+    code = "from hfscale.util.hosts import bf16_support; s = bf16_support('cpu'); print(s.native, s.detail)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "HFSCALE_NATIVE_BF16": forced}).stdout.split()
     assert out[0] == str(native) and f"HFSCALE_NATIVE_BF16={forced}" in " ".join(out)
@@ -60,7 +60,7 @@ def test_resolve_precision(requested, launch, host, expected, says):
 
 
 def test_resolve_precision_refuses_unknown():
-    from hfscale.errors import ConfigError
+    from hfscale.util.errors import ConfigError
 
     with pytest.raises(ConfigError, match="use one of auto, launch, bf16, fp16, fp32"):
         resolve_precision("bfloat16", "bf16", AVX2)
@@ -132,14 +132,14 @@ def test_recipe_accepts_agreeing_launch_of_each_precision(monkeypatch, tmp_path,
 
 def test_recipe_auto_precision_on_an_emulating_host(monkeypatch, tmp_path):
     ds = _ds_config(tmp_path, "bf16")
-    monkeypatch.setattr("hfscale.hosts.bf16_support", lambda device=None: AVX2)
+    monkeypatch.setattr("hfscale.util.hosts.bf16_support", lambda device=None: AVX2)
     pre = _preflight(monkeypatch, tmp_path, ds, precision="auto")
     assert pre.precision.precision == "fp32" and pre.precision.overridden
     assert pre.precision.note.startswith("bf16 is emulated on this CPU (AVX2): using fp32 for tiny-gemma3")
 
 
 def test_recipe_conflict_names_only_the_users_files(monkeypatch, tmp_path):
-    from hfscale.errors import HfscaleError
+    from hfscale.util.errors import HfscaleError
 
     ds = _ds_config(tmp_path, "fp32", train_micro_batch_size_per_gpu=8)  # the recipe runs micro 2
     with pytest.raises(HfscaleError) as e:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.extras import EXTRAS, line
+from hfscale.util.extras import EXTRAS, line
 
 pytestmark = pytest.mark.slow
 

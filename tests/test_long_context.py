@@ -11,7 +11,7 @@ scale) is off by ~1e-2, four orders above.
 
 import pytest
 
-from hfscale.errors import ConfigError
+from hfscale.util.errors import ConfigError
 
 MICRO, S = 2, 256
 
@@ -20,7 +20,7 @@ def _run(config_fn, levers, checkpointing, ids):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.checkpointing import apply_checkpointing_
+    from hfscale.scale.checkpointing import apply_checkpointing_
     from hfscale.scale.long_context import apply_levers_, with_levers
 
     cfg = config_fn()
@@ -62,7 +62,7 @@ def test_each_lever_equals_the_plain_step(family, ids):
         worst = max(float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads)
         assert worst <= 1e-6 < max(float(g.abs().max()) for g in ref_grads.values()), (levers, worst)
         if levers.offload_activations:  # what a GPU host would hold, as the plan counts it (measured within 12 B)
-            from hfscale.plan.dims import dims_from_config
+            from hfscale.models.dims import dims_from_config
             from hfscale.plan.long_context import lever_prediction
             from hfscale.plan.memory import Strategy
 
@@ -127,7 +127,7 @@ def test_fake_trace_of_a_tiled_step_equals_memtracker_on_a_real_one():
 def _llama_8b():
     from transformers import LlamaConfig
 
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
 
     return dims_from_config(LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,

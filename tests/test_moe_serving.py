@@ -77,7 +77,7 @@ def test_che_approximation_against_a_simulated_lru():
 
 
 def test_routing_measured_on_the_model(tmp_path, capsys):
-    from hfscale.experts.tiny import build_tiny_moe
+    from hfscale.testing.tiny_moe import build_tiny_moe
 
     path = build_tiny_moe(tmp_path / "m")
     rc = main(["plan", "--model", path, "--seq-len", "128", "--micro-batch", "1", "--inference", "--json", "--fast",
@@ -88,10 +88,10 @@ def test_routing_measured_on_the_model(tmp_path, capsys):
 
 
 def test_gguf_bytes_predicted_against_the_file(tmp_path):
-    from hfscale.experts.tiny import build_tiny_moe
+    from hfscale.testing.tiny_moe import build_tiny_moe
     from hfscale.export.gguf import GGUFOptions, write_gguf
     from hfscale.models import load_for_eval, load_config
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
     from hfscale.plan.moe_serving import _gguf_bytes
 
     path = build_tiny_moe(tmp_path / "m")

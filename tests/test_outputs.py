@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.atomic import STAGE_PREFIX, _start_ticks, check_writable, clean_stale, stage_name, staged
+from hfscale.util.atomic import STAGE_PREFIX, _start_ticks, check_writable, clean_stale, stage_name, staged
 from conftest import snapshot
-from hfscale.errors import HfscaleError
+from hfscale.util.errors import HfscaleError
 
 WRITERS = Path(__file__).parent / "scripts" / "writers.py"
 PLAN = ["plan", "--model", "tiny-gemma3", "--seq-len", "128", "--micro-batch", "1", "--gpus-per-node", "1",
@@ -277,7 +277,7 @@ def test_kill_config_write(tmp_path):
     killed(cmd, at="os:fsync")  # the JSON's stage written, not yet flushed or renamed
     (half,) = c.iterdir()
     assert half.name.startswith(STAGE_PREFIX) and half.name.endswith(".zero2.json")
-    killed(cmd + ["--force"], at="hfscale.atomic:commit:2")  # JSON renamed in, the YAML staged whole
+    killed(cmd + ["--force"], at="hfscale.util.atomic:commit:2")  # JSON renamed in, the YAML staged whole
     assert json.loads((c / "zero2.json").read_text())["zero_optimization"]["stage"] == 2
     assert not (c / "zero2.yaml").exists() and not half.exists()  # this run removed the first one's stage
     (yml,) = stages(tmp_path)
@@ -297,9 +297,9 @@ def test_kill_quantize_dir(src, tmp_path):
     assert stages(tmp_path) == []  # the next run removed the stale stage (megabytes)
     old = snapshot(q)
     regroup = cmd + ["--force", "--group-size", "64"]
-    killed(regroup, at="hfscale.atomic:_exchange")  # the new dir complete, about to be swapped in
+    killed(regroup, at="hfscale.util.atomic:_exchange")  # the new dir complete, about to be swapped in
     assert snapshot(q) == old and len(stages(tmp_path)) == 1
-    killed(regroup, at="hfscale.atomic:_exchange:after")  # swapped in, the old one not yet removed
+    killed(regroup, at="hfscale.util.atomic:_exchange:after")  # swapped in, the old one not yet removed
     assert json.loads((q / "hfscale_quantization.json").read_text())["group_size"] == 64 and (q / "tokenizer.json").is_file()
     (aside,) = stages(tmp_path)  # the old dir under a stage name; the previous kill's stage is gone
     assert json.loads((aside / "hfscale_quantization.json").read_text())["group_size"] == 32
@@ -342,11 +342,11 @@ def test_kill_checkpoint_and_consolidated_save(tmp_path):
     killed(["ckpt", run, 2], ["ckpt", run, 4], at="accelerate:Accelerator.save_state:2:after")  # state, no marker
     (s4,) = stages(ck)
     assert s4.name.endswith(".step_00000004") and not (s4 / MARKER).exists() and du(s4) > 10_000_000
-    killed(["ckpt", run, 6], at="hfscale.atomic:commit:2")  # marker in, the directory not yet renamed
+    killed(["ckpt", run, 6], at="hfscale.util.atomic:commit:2")  # marker in, the directory not yet renamed
     (s6,) = stages(ck)  # the step-4 stage was removed by this run
     assert json.loads((s6 / MARKER).read_text())["step"] == 6
     assert [s for s, _ in Checkpoints(run, 2).complete()] == [2]  # a stage is never resumed from
-    killed(["final", run / "model"], at="hfscale.atomic:commit")
+    killed(["final", run / "model"], at="hfscale.util.atomic:commit")
     assert not (run / "model").exists() and len(stages(run)) == 2
     r = writers(["ckpt", run, 4], ["final", run / "model"])  # the next run saving there
     assert r.returncode == 0, r.stderr

@@ -4,7 +4,7 @@ KV heads per layer kind, TP plan, sliding windows) and `hfscale config --sp/--tp
 import pytest
 import yaml
 
-from hfscale.errors import ConfigError
+from hfscale.util.errors import ConfigError
 from hfscale.scale.accelerate import parallelism_block
 from hfscale.scale.parallel import heads, model_problems
 from hfscale.scale.spec import Launch, Parallel, ScaleSpec, Zero
@@ -67,7 +67,7 @@ def test_gemma4_global_layers_have_fewer_kv_heads():
 
 
 def test_model_checks_bad_and_good():
-    from hfscale.plan.zoo import ARCHITECTURES
+    from hfscale.testing.zoo import ARCHITECTURES
 
     assert _codes(Parallel(sp=2), "tiny-gemma3") == {"sp-sliding-window"}  # sdpa loses the window under Ulysses
     assert _codes(Parallel(sp=2), "tiny-gemma3", window_sdpa=True) == set()
@@ -139,7 +139,7 @@ def acc(base, **block):
 
 def _model(name):
     from hfscale.models import load_config
-    from hfscale.plan.zoo import ARCHITECTURES
+    from hfscale.testing.zoo import ARCHITECTURES
 
     return ARCHITECTURES[name]() if name in ARCHITECTURES else load_config(name)
 
@@ -196,7 +196,7 @@ def test_doctor_mesh_fix_is_the_exact_value():
 
 def test_plan_memory_with_sp_tp():
     from hfscale.models import load_config
-    from hfscale.plan.dims import dims_from_config
+    from hfscale.models.dims import dims_from_config
     from hfscale.plan.memory import Strategy, activation_bytes, predict
     from hfscale.plan.parallel import params_per_tp_rank, predict_parallel
 

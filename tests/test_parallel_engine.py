@@ -1,5 +1,5 @@
 """Sequence and tensor parallelism on the real engines, 2 CPU processes, asserted from inside the ranks
-(hfscale.parallel_proof) against the same model run whole in the same process.
+(hfscale.proofs.parallel) against the same model run whole in the same process.
 
 Tolerances (fp32 throughout, the tiny Gemma 3, 256 tokens = 4 x its sliding window of 64):
   logits / loss 1e-5 absolute: the SP and TP ranks run the same kernels on the same numbers, split and
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.proof import free_port, launch
+from hfscale.proofs.engine import free_port, launch
 
 pytestmark = pytest.mark.engine
 S, WINDOW, TOL = 256, 64, 1e-5
@@ -36,7 +36,7 @@ def configs(tmp_path_factory):
 
 def _sp(configs, tmp_path, *extra):
     return launch(configs / "sp2.yaml", tmp_path, 2, extra=["--mode", "sp", "--seq-len", str(S), *extra],
-                  module="hfscale.parallel_proof", precision="fp32", timeout=600)
+                  module="hfscale.proofs.parallel", precision="fp32", timeout=600)
 
 
 def test_ulysses_sp_halves_each_sequence_and_equals_one_process(configs, tmp_path):
@@ -73,7 +73,7 @@ def test_ulysses_sdpa_drops_the_sliding_window_and_the_proof_catches_it(configs,
 
 def test_tp_holds_its_slice_and_equals_the_unsharded_model(configs, tmp_path):
     reports = launch(configs / "ddp2.yaml", tmp_path, 2, extra=["--mode", "tp", "--seq-len", str(S), "--sequences", "1"],
-                     module="hfscale.parallel_proof", precision="fp32", timeout=600)
+                     module="hfscale.proofs.parallel", precision="fp32", timeout=600)
     for r in reports:
         assert (r["world"], r["tp"]) == (2, 2)
         planned = [n for n in r["shards"] if any(k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -84,7 +84,7 @@ def test_tp_holds_its_slice_and_equals_the_unsharded_model(configs, tmp_path):
             dim = 1 if ("o_proj" in n or "down_proj" in n) else 0  # rowwise splits inputs, colwise outputs
             assert local[dim] * 2 == full[dim] and local[1 - dim] == full[1 - dim], n
         from hfscale.models import tiny_config
-        from hfscale.plan.dims import dims_from_config
+        from hfscale.models.dims import dims_from_config
         from hfscale.plan.parallel import params_per_tp_rank
 
         # the planner's count is the rank's (the tied embedding is split with lm_head): 1,502,784 of 3,001,920
@@ -117,7 +117,7 @@ def test_sp_and_tp_through_accelerate_on_two_gpus(configs, tmp_path):
     reports = _sp(configs, tmp_path / "gpu_sp", "--window-sdpa")
     assert all(r["grad_max_abs_diff"] <= 1e-4 for r in reports)
     reports = launch(configs / "ddp2.yaml", tmp_path / "gpu_tp", 2, extra=["--mode", "tp", "--sequences", "1"],
-                     module="hfscale.parallel_proof", precision="fp32", timeout=600)
+                     module="hfscale.proofs.parallel", precision="fp32", timeout=600)
     assert all(r["logits_max_abs_diff"] <= 1e-4 for r in reports)
     assert json.dumps(reports)
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from hfscale.errors import HfscaleError
-from hfscale.plan.dims import dims_from_config
+from hfscale.util.errors import HfscaleError
+from hfscale.models.dims import dims_from_config
 from hfscale.plan.measure import saved_activation_bytes
 from hfscale.plan.memory import Strategy, activation_bytes, kv_cache_bytes, model_state_bytes, predict
 

@@ -18,7 +18,7 @@ SHAPES = [dict(micro_batch=1, seq_len=64), dict(micro_batch=2, seq_len=128, chec
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from hfscale.plan.zoo import ARCHITECTURES
+    from hfscale.testing.zoo import ARCHITECTURES
 
     out = {"gemma3": "tiny-gemma3"}
     for arch in ("gemma4", "llama"):  # llama's formulas also cover mistral and qwen2

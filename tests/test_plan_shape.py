@@ -20,7 +20,7 @@ def test_shape_round_trips_exactly(name):
 
 
 def test_unsupported_architecture_keeps_the_reason(tmp_path, monkeypatch):
-    from hfscale.plan.zoo import ARCHITECTURES
+    from hfscale.testing.zoo import ARCHITECTURES
 
     monkeypatch.setenv("HFSCALE_CACHE", str(tmp_path / "cache"))
     (tmp_path / "m").mkdir()

@@ -1,4 +1,4 @@
-"""`hfscale profile` (hfscale/profile.py): the measured per-rank timeline, and the plan's step peak checked
+"""`hfscale profile` (hfscale/plan/profiler.py): the measured per-rank timeline, and the plan's step peak checked
 against it inside real ranks: one process, DDP and DeepSpeed ZeRO over 2 processes (gloo, CPU)."""
 
 import json
@@ -100,7 +100,7 @@ def test_recipe_profile_memory(tmp_path):
     import subprocess
     import sys
 
-    from hfscale.proof import free_port
+    from hfscale.proofs.engine import free_port
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml"),

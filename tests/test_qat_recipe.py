@@ -21,7 +21,7 @@ FAST = ["--seq-len", "64", "--global-batch-tokens", "512", "--micro-batch", "2",
 
 @pytest.fixture(scope="module")
 def trained():
-    from hfscale.pretrained import trained_tiny
+    from hfscale.testing.trained import trained_tiny
 
     return str(trained_tiny())
 
@@ -42,9 +42,9 @@ def test_qat_recipe_zero2_two_processes(tmp_path, trained):
     from transformers import AutoModelForCausalLM
 
     from hfscale.compress.evaluate import perplexity
-    from hfscale.corpus import load_text, packed_blocks
+    from hfscale.models.corpus import load_text, packed_blocks
     from hfscale.models import load_tokenizer
-    from hfscale.proof import free_port
+    from hfscale.proofs.engine import free_port
     from hfscale.train.metrics import read_records
 
     out = tmp_path / "qat"

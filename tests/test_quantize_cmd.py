@@ -14,7 +14,7 @@ from hfscale.compress.schemes import SCHEMES
 
 @pytest.fixture(scope="module")
 def trained():
-    from hfscale.pretrained import trained_tiny
+    from hfscale.testing.trained import trained_tiny
 
     return str(trained_tiny())
 

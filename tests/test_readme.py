@@ -103,7 +103,7 @@ def test_quick_start_runs_top_to_bottom(tmp_path):
 @pytest.mark.parametrize("flag, quiet", [([], True), (["--verbose"], False)])
 def test_a_recipe_quiets_its_rank_unless_verbose(flag, quiet, tmp_path):
     """Every recipe parses its arguments with parse_recipe_args before torch is imported; that is where each rank
-    installs hfscale/quiet.py's filters, and --verbose leaves them out (the quick start's launch above counts the
+    installs hfscale/util/quiet.py's filters, and --verbose leaves them out (the quick start's launch above counts the
     lines). A fresh interpreter, no torch: ~1 s."""
     code = ("import logging, sys; from hfscale.train.config import parse_recipe_args; "
             f"parse_recipe_args({flag!r}, 'doc', 'cfg'); "

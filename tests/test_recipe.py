@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.atomic import STAGE_PREFIX
-from hfscale.errors import ConfigError
-from hfscale.checkpointing import checkpointed_layers, resolve
+from hfscale.util.atomic import STAGE_PREFIX
+from hfscale.util.errors import ConfigError
+from hfscale.scale.checkpointing import checkpointed_layers, resolve
 from hfscale.train.batching import plan_batch, rank_indices
 from hfscale.train.config import TrainConfig, load_recipe
 from hfscale.train.metrics import read_records
@@ -82,7 +82,7 @@ def test_checkpointing_saves_memory_and_keeps_gradients():
 
     from hfscale.models import TINY, build_model
     from hfscale.plan.measure import saved_activation_bytes
-    from hfscale.checkpointing import apply_checkpointing_
+    from hfscale.scale.checkpointing import apply_checkpointing_
 
     ids = torch.randint(4, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
     measured, grads = {}, {}
@@ -159,7 +159,7 @@ def test_bad_input_one_line_exit_2(tmp_path, extra, env, needle):
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     """A real 2-step run in one process: the checkpoint the resume-refusal tests need."""
-    from hfscale.corpus import load_text
+    from hfscale.models.corpus import load_text
 
     base = tmp_path_factory.mktemp("single")
     ds = load_text()  # the user's own files: jsonl train, parquet validation
@@ -177,7 +177,7 @@ def one_process_run(tmp_path_factory):
 def test_local_data_formats(tmp_path, suffix):
     import datasets
 
-    from hfscale.corpus import load_text
+    from hfscale.models.corpus import load_text
 
     texts = [f"document {i} about the data model of Python objects." for i in range(40)]
     path = tmp_path / f"data{suffix}"
@@ -289,7 +289,7 @@ def launch(config: str, out: Path, *args, env=None, check=True, fault=None, proc
     import signal
     import time
 
-    from hfscale.proof import free_port
+    from hfscale.proofs.engine import free_port
 
     script = [str(ROOT / "tests" / "scripts" / "faulty_recipe.py"), fault, str(RECIPE)] if fault else [str(RECIPE)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
@@ -316,7 +316,7 @@ def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.corpus import load_text, packed_blocks
+    from hfscale.models.corpus import load_text, packed_blocks
     from hfscale.models import TINY, load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -455,8 +455,8 @@ def test_fsdp2_trains_survives_kill_9_and_resumes_on_2_and_on_1_rank(tmp_path):
 
 
 def test_hub_dataset_name_offline_is_one_clear_error(monkeypatch):
-    from hfscale.corpus import load_text
-    from hfscale.errors import HfscaleError
+    from hfscale.models.corpus import load_text
+    from hfscale.util.errors import HfscaleError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(HfscaleError, match="looks like a hub dataset but HF_HUB_OFFLINE is set"):
@@ -526,7 +526,7 @@ def assert_follows(resumed: dict, reference: dict, steps):
 
 def _launch_precision() -> str:
     """What the shipped bf16 configs run as under the tiny recipe's precision auto: fp32 where bf16 is emulated."""
-    from hfscale.hosts import bf16_support, resolve_precision
+    from hfscale.util.hosts import bf16_support, resolve_precision
 
     return resolve_precision("auto", "bf16", bf16_support("cpu")).precision
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.errors import HfscaleError
-from hfscale.proof import free_port
-from hfscale.slurm import dry_run, expand_hostlist
+from hfscale.util.errors import HfscaleError
+from hfscale.proofs.engine import free_port
+from hfscale.scale.slurm import dry_run, expand_hostlist
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_two_nodes_through_the_slurm_path_on_one_host(tmp_path):
         env = {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"], "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NODEID": str(node), "SLURM_GPUS_ON_NODE": "1"}
         cmd = [str(Path(bindir) / "hfscale"), "slurm", "--config", str(ROOT / "accelerate_configs" / "multinode_zero3.yaml"),
-               "--port", port, "--", "-m", "hfscale.proof", "--out", str(tmp_path)]
+               "--port", port, "--", "-m", "hfscale.proofs.engine", "--out", str(tmp_path)]
         # output to files, not pipes: a full pipe would block one node while the other waits for it
         log = open(tmp_path / f"node{node}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))

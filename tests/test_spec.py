@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from hfscale.errors import ConfigError
+from hfscale.util.errors import ConfigError
 from hfscale.scale.accelerate import render_yaml, to_accelerate
 from hfscale.scale.deepspeed import to_deepspeed
 from hfscale.scale.load import load_spec, spec_from_dict, spec_to_dict
 from hfscale.scale.presets import PRESETS
-from hfscale.checkpointing import parse_checkpointing
+from hfscale.scale.checkpointing import parse_checkpointing
 from hfscale.scale.spec import Aio, Launch, ScaleSpec, Zero, check_nvme_path
 
 

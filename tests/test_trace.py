@@ -54,7 +54,7 @@ def test_depth_scaling_is_exact():
 
 
 def test_plan_trace_any_architecture(tmp_path, cli):
-    from hfscale.plan.zoo import ARCHITECTURES
+    from hfscale.testing.zoo import ARCHITECTURES
 
     d = tmp_path / "qwen3"
     d.mkdir()

@@ -1,9 +1,9 @@
-"""Rebuild the embedded corpus shipped in hfscale/data/corpus/.
+"""Rebuild the embedded corpus shipped in hfscale/models/data/corpus/.
 
 The corpus is English technical prose from CPython 3.11's own documentation: the language
 reference topics in ``pydoc_data.topics`` and the docstrings of the pure-Python standard library
 (read with ``ast``, nothing is imported). Both are covered by the PSF License, which permits
-redistribution with the notice kept (hfscale/data/corpus/LICENSE).
+redistribution with the notice kept (hfscale/models/data/corpus/LICENSE).
 
 The shipped files are fixed, so every machine sees the same train / validation split whatever its
 Python version. Run from the repository root:  python tools/build_corpus.py

@@ -1,4 +1,4 @@
-"""Rebuild the embedded tokenizer shipped in hfscale/data/tokenizer/ (transformers format).
+"""Rebuild the embedded tokenizer shipped in hfscale/models/data/tokenizer/ (transformers format).
 
 A SentencePiece-style BPE (Gemma's scheme: "▁" marks spaces, byte fallback for anything outside the
 vocabulary, Gemma's special-token ids pad=0 eos=1 bos=2 unk=3), trained with the `tokenizers`

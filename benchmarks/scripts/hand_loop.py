@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from hfscale.corpus import load_text, packed_blocks
+from hfscale.models.corpus import load_text, packed_blocks
 from hfscale.models import TINY, build_model, load_tokenizer
 from hfscale.scale.runtime import exit_rank, make_accelerator, make_optimizer
 from hfscale.train.batching import BatchPlan, rank_indices

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 
 SUBCOMMANDS = ("config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo", "experts", "prune", "bench",
                "checkpoint")
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  hfscale prove --config accelerate_configs/zero3.yaml --num-processes 2\n  hfscale demo",
     )
     parser.add_argument("--verbose", action="store_true",
-                        help="also show third-party notices hfscale hides by default (hfscale/quiet.py lists them); "
+                        help="also show third-party notices hfscale hides by default (hfscale/util/quiet.py lists them); "
                         "accepted anywhere on the command line")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for name in SUBCOMMANDS:
@@ -43,16 +43,16 @@ def main(argv=None) -> int:
     # --verbose, anywhere on the line, is read before any library is imported, so import-time noise is caught too
     if "--verbose" in argv:
         argv = [a for a in argv if a != "--verbose"]
-        from ..quiet import VERBOSE_ENV
+        from ..util.quiet import VERBOSE_ENV
 
         os.environ[VERBOSE_ENV] = "1"  # what this command launches (ranks, recipes) shows them too
     else:
-        from ..quiet import quiet_known_noise
+        from ..util.quiet import quiet_known_noise
 
         quiet_known_noise()
     parser = build_parser()
     args = parser.parse_args(argv)
-    from ..extras import MissingExtra, missing_extra_line
+    from ..util.extras import MissingExtra, missing_extra_line
 
     try:
         return int(args.run(args) or 0)

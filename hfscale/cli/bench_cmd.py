@@ -44,7 +44,7 @@ def run(args) -> int:
 
     spec = BenchSpec(args.prompt_tokens, args.decode_tokens, args.runs, args.threads)
     paths = [args.artifact] + ([args.compare] if args.compare else [])
-    from ..extras import require
+    from ..util.extras import require
 
     for p in paths:
         kind = artifact_kind(p)  # a missing or unknown artifact: one line before any run

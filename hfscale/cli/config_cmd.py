@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from ..errors import ConfigError
+from ..util.errors import ConfigError
 from ..scale.load import load_spec
 from ..scale.presets import PRESETS
 from ..scale.spec import DEVICES, ENGINES, PRECISIONS, RDZV_BACKENDS, SP_ATTENTION, STATE_DICT_TYPES, ZERO_STAGES, ScaleSpec
@@ -125,7 +125,7 @@ def run(args) -> int:
             raise ConfigError(f"name a preset ({', '.join(PRESETS)}), --spec FILE, or --all")
         specs = [spec_from_args(args)]
     if args.model:
-        from ..models import load_config
+        from ..models.builtin import load_config
         from ..scale.parallel import require_model_fits
 
         for spec in specs:

@@ -10,8 +10,8 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..demo import run_demo
-    from ..extras import require
+    from ..proofs.demo import run_demo
+    from ..util.extras import require
 
     for extra in ("deepspeed", "quant", "edge"):  # it proves ZeRO, QAT-trains and exports
         require("hfscale demo", extra)

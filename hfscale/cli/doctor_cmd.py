@@ -30,7 +30,7 @@ def add_parser(sub):
 def run(args) -> int:
     from ..doctor import check, render_table
     from ..doctor.findings import more_line
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
 
     if args.max_findings < 0:
         raise HfscaleError(f"--max-findings must be 0 (all) or more (got {args.max_findings})")
@@ -46,7 +46,7 @@ def run(args) -> int:
     try:
         import torch
 
-        from ..hosts import bf16_support
+        from ..util.hosts import bf16_support
 
         # a launch from this GPU-less host runs on its CPU: warn where that CPU emulates bf16
         cpu_launch = not torch.cuda.is_available()

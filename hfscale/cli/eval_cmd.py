@@ -34,8 +34,8 @@ def run(args) -> int:
     from pathlib import Path
 
     from ..compress.evaluate import EvalData, evaluate_models, rows_table
-    from ..errors import HfscaleError
-    from ..models import load_config
+    from ..util.errors import HfscaleError
+    from ..models.builtin import load_config
 
     ed = EvalData(args.data, args.validation, args.seq_len, args.blocks, args.batch_size)
     for m in args.models:  # an unknown model fails in one line before any scoring

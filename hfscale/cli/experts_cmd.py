@@ -54,9 +54,9 @@ def run(args) -> int:
 
     import torch
 
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
     from ..experts import from_pretrained
-    from ..models import load_tokenizer
+    from ..models.builtin import load_tokenizer
 
     if args.max_new_tokens < 1 or args.blocks < 1 or args.seq_len < 2:
         raise HfscaleError("--max-new-tokens and --blocks must be >= 1, --seq-len >= 2")

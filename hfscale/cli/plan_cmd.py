@@ -79,7 +79,7 @@ def add_parser(sub):
 
 def _refuse_ignored_flags(args) -> None:
     # a flag that would be ignored is refused: hardware without --gpus-per-node, serving without --inference
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
 
     for needs, flags in (("--gpus-per-node", ("nodes", "gpu_mem", "cpu_mem", "global_batch_tokens", "engines")),
                          ("--inference", ("quant", "batch", "context", "ram_budget", "routing_blocks"))):
@@ -96,8 +96,8 @@ def _gb(n: int) -> str:
 def run(args) -> int:
     from pathlib import Path
 
-    from ..atomic import check_writable
-    from ..errors import HfscaleError
+    from ..util.atomic import check_writable
+    from ..util.errors import HfscaleError
     from ..plan.api import Serving, plan
     from ..plan.planner import Hardware, parse_size
 
@@ -110,7 +110,7 @@ def run(args) -> int:
         raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
     check_writable({args.write: "--write", args.plot: "--plot"}, args.force, inputs={args.model: "--model"})
     if args.plot:  # matplotlib is the [plot] extra
-        from ..extras import require
+        from ..util.extras import require
 
         require("hfscale plan --plot", "plot")
     serving = None

@@ -19,7 +19,7 @@ exit codes: 0 written, 2 bad input (one line, nothing written)
 def add_parser(sub):
     import argparse
 
-    from ..hosts import PRECISION_CHOICES
+    from ..util.hosts import PRECISION_CHOICES
 
     p = sub.add_parser("profile", help="measure memory over real training steps (per rank, by kind and phase)",
                        description="Run N real training steps of a model (built-in tiny Gemma by default) in this process "
@@ -46,16 +46,16 @@ def add_parser(sub):
 def _check(args):
     from pathlib import Path
 
-    from ..checkpointing import parse_checkpointing
-    from ..errors import HfscaleError
-    from ..models import load_config
+    from ..scale.checkpointing import parse_checkpointing
+    from ..util.errors import HfscaleError
+    from ..models.builtin import load_config
 
     for flag in ("steps", "micro_batch", "seq_len", "num_processes"):
         if getattr(args, flag) < 1:
             raise HfscaleError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if args.config and not Path(args.config).is_file():
         raise HfscaleError(f"accelerate config {args.config} not found; write one with `hfscale config`")
-    from ..extras import require, uses_deepspeed
+    from ..util.extras import require, uses_deepspeed
 
     if args.config and uses_deepspeed(args.config):
         require(f"hfscale profile --config {args.config} (DeepSpeed)", "deepspeed")
@@ -69,9 +69,10 @@ def _check(args):
 def run(args) -> int:
     from pathlib import Path
 
-    from ..atomic import begin_stage, check_writable, commit, discard
-    from ..profile import main as worker, write_report
-    from ..proof import launch
+    from ..util.atomic import begin_stage, check_writable, commit, discard
+    from ..plan.profiler import write_report
+    from ..proofs.profile import main as worker
+    from ..proofs.engine import launch
 
     config = _check(args)
     out = Path(args.out)
@@ -82,7 +83,7 @@ def run(args) -> int:
     try:
         if args.config:
             reports = launch(args.config, stage / "ranks", args.num_processes, extra, precision=args.precision,
-                             module="hfscale.profile")
+                             module="hfscale.proofs.profile")
         else:
             worker(["--out", str(stage / "ranks"), "--precision", args.precision, *extra])
             reports = [json.loads((stage / "ranks" / "rank0.json").read_text())]

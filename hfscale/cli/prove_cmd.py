@@ -23,7 +23,7 @@ def add_parser(sub):
     p.add_argument("--reference", action="store_true", help="also run 1 process and compare losses")
     p.add_argument("--out", default="proof_out", help="directory for rank reports and logs, created if missing; "
                    "its ranks/ and reference/ are replaced (default: %(default)s)")
-    from ..hosts import PRECISION_CHOICES
+    from ..util.hosts import PRECISION_CHOICES
 
     p.add_argument("--precision", default="launch", choices=PRECISION_CHOICES,
                    help="launch (default): the config's precision; auto: the same, but fp32 where this host emulates "
@@ -35,15 +35,15 @@ def add_parser(sub):
 def run(args) -> int:
     from pathlib import Path
 
-    from ..atomic import check_overlap, check_parents
-    from ..errors import HfscaleError
-    from ..proof import launch, print_table, summarize
+    from ..util.atomic import check_overlap, check_parents
+    from ..util.errors import HfscaleError
+    from ..proofs.engine import launch, print_table, summarize
 
     if not Path(args.config).is_file():
         raise HfscaleError(f"accelerate config {args.config} not found; write one with `hfscale config`")
     if args.num_processes < 1 or args.num_machines < 1 or args.num_processes % args.num_machines:
         raise HfscaleError("--num-processes must be a positive multiple of --num-machines")
-    from ..extras import require, uses_deepspeed
+    from ..util.extras import require, uses_deepspeed
 
     if uses_deepspeed(args.config):
         require(f"hfscale prove --config {args.config} (DeepSpeed)", "deepspeed")

@@ -50,12 +50,12 @@ def run(args) -> int:
 
     import torch
 
-    from ..atomic import check_writable
+    from ..util.atomic import check_writable
     from ..compress.evaluate import calibration_blocks
     from ..compress.prune import PruneTarget, check_supported, describe, parse_fraction, prune
     from ..compress.save import save_model_dir
-    from ..errors import HfscaleError
-    from ..models import build_model, has_tokenizer, load_config, load_tokenizer
+    from ..util.errors import HfscaleError
+    from ..models.builtin import build_model, has_tokenizer, load_config, load_tokenizer
 
     target = PruneTarget(params=parse_fraction(args.params) if args.params is not None else None, layers=args.layers,
                          intermediate_size=args.intermediate_size, heads=args.heads, hidden_size=args.hidden_size,

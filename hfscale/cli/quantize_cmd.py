@@ -59,7 +59,7 @@ def _registry_text() -> str:
 
 
 def run(args) -> int:
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
 
     if args.list:
         print(_registry_text())
@@ -79,7 +79,7 @@ LIBRARY_MODULES = {"torchao": ("torchao",), "bitsandbytes": ("bitsandbytes",), "
 
 def _require_extra(args) -> None:
     from ..compress.schemes import SCHEMES
-    from ..extras import require
+    from ..util.extras import require
 
     if args.format != "transformers":
         require(f"hfscale quantize --format {args.format}", "edge", FORMAT_MODULES.get(args.format))
@@ -88,7 +88,7 @@ def _require_extra(args) -> None:
 
 
 def _run_export(args) -> int:
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
     from ..export import FORMATS
 
     fmt = FORMATS[args.format]
@@ -115,8 +115,8 @@ def _run_export(args) -> int:
 def _calibration(args, model_name: str):
     from pathlib import Path
 
-    from ..errors import HfscaleError
-    from ..models import load_tokenizer
+    from ..util.errors import HfscaleError
+    from ..models.builtin import load_tokenizer
 
     from ..compress.evaluate import calibration_blocks
 
@@ -128,11 +128,11 @@ def _calibration(args, model_name: str):
 
 
 def _run_ptq(args) -> int:
-    from ..atomic import check_writable
+    from ..util.atomic import check_writable
     from ..compress.ptq import source_dir
     from ..compress.schemes import SCHEMES, QuantSpec, require_device
-    from ..errors import HfscaleError
-    from ..models import has_tokenizer, load_config, load_tokenizer
+    from ..util.errors import HfscaleError
+    from ..models.builtin import has_tokenizer, load_config, load_tokenizer
 
     if not args.scheme:
         raise HfscaleError(f"--scheme is required for --format transformers; choose one of {', '.join(s for s in SCHEMES if s != 'q4_0')}")

@@ -29,8 +29,8 @@ def add_parser(sub):
 def run(args) -> int:
     import shlex
 
-    from ..errors import HfscaleError
-    from ..slurm import dry_run, env_int, env_nodelist, expand_hostlist, node_command
+    from ..util.errors import HfscaleError
+    from ..scale.slurm import dry_run, env_int, env_nodelist, expand_hostlist, node_command
 
     env = os.environ  # the edge: SLURM's variables are read here, only for what no flag gave
     nodes = expand_hostlist(args.nodelist) if args.nodelist else env_nodelist(env)

@@ -20,9 +20,9 @@ def add_parser(sub):
 def run(args) -> int:
     from pathlib import Path
 
-    from ..atomic import check_writable, staged
-    from ..errors import HfscaleError
-    from ..models import TINY, save_pretrained_dir
+    from ..util.atomic import check_writable, staged
+    from ..util.errors import HfscaleError
+    from ..models.builtin import TINY, save_pretrained_dir
 
     if not 0 <= args.seed < 2**63:  # torch.manual_seed takes a 64-bit integer
         raise HfscaleError(f"--seed {args.seed} is out of range; give an integer from 0 to {2**63 - 1}")

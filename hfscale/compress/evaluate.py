@@ -23,21 +23,21 @@ class EvalData:
     batch_size: int = 8
 
     def __post_init__(self):
-        from ..errors import ConfigError
+        from ..util.errors import ConfigError
 
         if min(self.seq_len, self.n_blocks, self.batch_size) < 1:
             raise ConfigError("--seq-len, --blocks and --batch-size must be >= 1")
 
 
 def heldout_blocks(tokenizer, ed: EvalData):
-    from ..corpus import load_text, packed_blocks
+    from ..models.corpus import load_text, packed_blocks
 
     return packed_blocks(tokenizer, load_text(ed.data, ed.validation)["validation"]["text"], ed.seq_len)[: ed.n_blocks]
 
 
 def calibration_blocks(tokenizer, n: int = 32, seq_len: int = 128, data: str = "builtin"):
     """Calibration batches come from the *train* split, so the held-out score stays untouched."""
-    from ..corpus import load_text, packed_blocks
+    from ..models.corpus import load_text, packed_blocks
 
     return packed_blocks(tokenizer, load_text(data)["train"]["text"], seq_len)[:n]
 
@@ -85,7 +85,7 @@ def evaluate_models(paths: list[str], ed: EvalData = EvalData(), progress: bool 
     """One row per model: perplexity, bytes and top-1 agreement with the first model (the reference)."""
     from tqdm.auto import tqdm
 
-    from ..models import load_for_eval
+    from ..models.builtin import load_for_eval
 
     rows, ref_top1, blocks = [], None, None
     for path in tqdm(paths, desc="eval", disable=not progress):

@@ -46,7 +46,7 @@ holds one block's Hessians (2.5 GB at 27B). No act-order: columns are rounded in
 
 from __future__ import annotations
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 from .schemes import QuantSpec
 
 BLOCK = 128  # columns per lazy batch (Algorithm 1's B)

@@ -42,7 +42,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ..errors import ConfigError, HfscaleError
+from ..util.errors import ConfigError, HfscaleError
 
 # model types whose decoder layers are sliced by the rules in _slice_rule (registry: what is supported)
 SUPPORTED = {

@@ -13,14 +13,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 from .schemes import QuantSpec, require_device, transformers_config
 
 
 @contextlib.contextmanager
 def source_dir(model: str):
     """A transformers directory for `model`: itself, or a temp copy of a built-in model's seeded weights."""
-    from ..models import is_builtin, save_pretrained_dir
+    from ..models.builtin import is_builtin, save_pretrained_dir
 
     if not is_builtin(model):
         yield model
@@ -33,7 +33,7 @@ def source_dir(model: str):
 
 
 def load_float(src: str, dtype=None):
-    from ..models import build_model
+    from ..models.builtin import build_model
 
     model = build_model(src, dtype=dtype)
     return model.eval()
@@ -65,7 +65,7 @@ def quantize_model(src: str, spec: QuantSpec, calibration=None, dtype=None, prog
         model = AutoModelForCausalLM.from_pretrained(src, quantization_config=transformers_config(spec), dtype=dtype,
                                                      use_safetensors=True, trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as e:
-        from ..models import _not_found
+        from ..models.builtin import _not_found
 
         raise HfscaleError(_not_found(src, e)) from None
     if spec.info.library == "bitsandbytes":

@@ -19,7 +19,7 @@ and distillation from the unquantized model (Gemma 3's QAT trained on the teache
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ..util.errors import ConfigError
 from .schemes import QAT_SCHEMES, QuantSpec, linear_filter, torchao_linear_config, transformers_config
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -47,7 +47,7 @@ def prepare_qat_(model, scheme):
         from .ggml_grid import prepare_q4_0_qat_
 
         return prepare_q4_0_qat_(model, include_embeddings=spec.include_embeddings)
-    from ..extras import require
+    from ..util.extras import require
 
     require(f"prepare_qat_(model, {spec.scheme!r})", "quant", ("torchao",))
     from torchao.quantization import quantize_

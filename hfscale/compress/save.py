@@ -1,5 +1,5 @@
 """Writing a quantized model as a transformers directory (safetensors) that `from_pretrained` reloads
-with the same logits, atomically (hfscale.atomic.staged: a stage beside the target + rename).
+with the same logits, atomically (hfscale.util.atomic.staged: a stage beside the target + rename).
 
 Measured pitfall (torchao 0.18 on CPU; pytorch/ao #3800, #2230): `save_pretrained` on a model quantized in memory
 with `quantize_` (PTQ, QAT convert, GPTQ) fails with "Attempted to access the data pointer on an invalid
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..atomic import check_writable, staged
-from ..errors import HfscaleError
+from ..util.atomic import check_writable, staged
+from ..util.errors import HfscaleError
 
 
 def dir_bytes(path: str | Path) -> int:

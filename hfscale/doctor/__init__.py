@@ -29,6 +29,6 @@ def check(accelerate=None, deepspeed=None, args=None, model=None, num_processes=
 
     accelerate / deepspeed / args may also be mappings already read, named in findings by `labels`
     (e.g. the training recipe passes what its launch will really use, `labels={"args": "train.yaml"}`).
-    `host_bf16` (hfscale.hosts.Bf16Support) with `cpu_launch=True` adds the emulated-bf16 warning."""
+    `host_bf16` (hfscale.util.hosts.Bf16Support) with `cpu_launch=True` adds the emulated-bf16 warning."""
     return check_setup(load_setup(accelerate, deepspeed, args, model, num_processes, num_machines, gpus_per_machine,
                                   labels, host_bf16, cpu_launch))

@@ -11,6 +11,7 @@ import re
 from typing import Callable, Iterable, Iterator
 
 from .findings import Finding
+from ..scale.deepspeed import ds_precision
 from .inputs import Setup
 
 MISSING = object()
@@ -156,17 +157,6 @@ def batch_arithmetic(s: Setup) -> Iterator[Finding]:
 # --- 3. precision ---------------------------------------------------------------------------------
 
 
-def ds_precision(ds) -> str | None:
-    bf, fp = get(ds, "bf16.enabled"), get(ds, "fp16.enabled")
-    if bf is True:
-        return "bf16"
-    if fp is True:
-        return "fp16"
-    if bf is False and fp in (False, MISSING) or (bf is MISSING and fp is False):
-        return "fp32"
-    return None  # auto / absent: filled from elsewhere
-
-
 @check
 def precision(s: Setup) -> Iterator[Finding]:
     ds, args, acc = s.deepspeed, s.args, s.accelerate
@@ -198,7 +188,7 @@ def precision(s: Setup) -> Iterator[Finding]:
                       f"use {found[0][1]} everywhere")
     host = s.host_bf16
     if s.cpu_launch and host is not None and not host.native and any(p == "bf16" for _, p in found):
-        from ..hosts import EMULATED_BF16_SLOWDOWN
+        from ..util.hosts import EMULATED_BF16_SLOWDOWN
 
         yield Finding("bf16-emulated-cpu", "warning", next(w for w, p in found if p == "bf16"),
                       f"bf16 on a CPU launch, and this CPU emulates bf16 ({host.detail}): measured "
@@ -429,7 +419,7 @@ def unknown_keys(s: Setup) -> Iterator[Finding]:
     if isinstance(ds, dict):
         yield from _unknown(ds, DS_TOP, lambda k: _ds(s, k), "DeepSpeed")
         z = ds.get("zero_optimization")
-        from ..extras import installed, line
+        from ..util.extras import installed, line
 
         if isinstance(z, dict) and not installed("deepspeed"):  # its pydantic schema is the reference for ZeRO keys
             yield Finding("unknown-key", "warning", _ds(s, "zero_optimization"), "ZeRO keys not checked for typos",

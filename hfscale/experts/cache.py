@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from typing import Callable, Hashable
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 
 
 @dataclass

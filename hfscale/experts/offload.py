@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 from .cache import ExpertCache
 from .store import ExpertSource, Reader, all_tensors, checkpoint_files, expert_keys, find_source
 
@@ -370,7 +370,7 @@ def from_pretrained(path, ram_budget, dtype=None, prefetch: bool = False, reader
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from ..models import load_config
+    from ..models.builtin import load_config
 
     budget = parse_budget(ram_budget)
     dtype = dtype or torch.float32
@@ -444,7 +444,7 @@ def offload_(model, ram_budget, folder=None, prefetch: bool = False, reader: str
     import torch
     from safetensors.torch import save_file
 
-    from ..atomic import check_writable, staged
+    from ..util.atomic import check_writable, staged
 
     budget = parse_budget(ram_budget)
     experts = find_experts(model)
@@ -453,7 +453,7 @@ def offload_(model, ram_budget, folder=None, prefetch: bool = False, reader: str
     _check_budget(budget, shapes, top_k(model.config))
     cleanup = None
     if folder is None:
-        from ..pretrained import cache_root
+        from ..util.cache import cache_root
 
         cache_root().mkdir(parents=True, exist_ok=True)
         out = Path(tempfile.mkdtemp(prefix="experts-", dir=cache_root()))

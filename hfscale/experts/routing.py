@@ -8,9 +8,9 @@ def calibration_routing(model: str, blocks: int, ram_budget: int | None = None):
     """`moe_serving.Routing` counted on `blocks` calibration blocks of 128 tokens with the model's own weights (a
     local directory); the experts are streamed by hfscale.experts under `ram_budget` (default: a quarter of them)."""
     from ..compress.evaluate import calibration_blocks
-    from ..errors import HfscaleError
-    from ..models import load_config, load_tokenizer
-    from ..plan.dims import dims_from_config
+    from ..util.errors import HfscaleError
+    from ..models.builtin import load_config, load_tokenizer
+    from ..models.dims import dims_from_config
     from ..plan.moe_serving import measure_routing
     from .offload import from_pretrained
 

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HfscaleError, first_line
+from ..util.errors import HfscaleError, first_line
 
 READERS = ("pread", "mmap")
 # safetensors dtype names -> torch dtype names

@@ -29,10 +29,4 @@ FORMATS: dict[str, Format] = {
 }
 
 
-def demo_step(model_dir, out_dir) -> str:
-    from .demo import demo_step as _demo
-
-    return _demo(model_dir, out_dir)
-
-
-__all__ = ["FORMATS", "Format", "demo_step", "export_gguf", "export_pte"]
+__all__ = ["FORMATS", "Format", "export_gguf", "export_pte"]

@@ -1,6 +1,6 @@
 """The two export entry points behind FORMATS: validate everything first (nothing is written on
 bad input), build, verify in the target runtime, then move the artifact into place and write its
-sidecar. The artifact is staged beside `out` (hfscale.atomic.staged) and renamed only after it
+sidecar. The artifact is staged beside `out` (hfscale.util.atomic.staged) and renamed only after it
 loaded and ran, so `out` never holds a half-written or unverified file."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..atomic import check_writable, staged
-from ..errors import HfscaleError
-from ..extras import require
-from ..models import load_for_eval
+from ..util.atomic import check_writable, staged
+from ..util.errors import HfscaleError
+from ..util.extras import require
+from ..models.builtin import load_for_eval
 from . import evalset as E
 from .sidecar import sidecar_path, source_info, write_sidecar
 
@@ -21,7 +21,7 @@ def _prepare(model: str, out, force: bool):
     check_writable({out: "--out", sidecar_path(out): "--out"}, force, inputs={model: "MODEL"})
     if out.exists() and out.is_dir():
         raise HfscaleError(f"{out} is a directory; give a file path for --out")
-    from ..models import load_config
+    from ..models.builtin import load_config
 
     return out, load_config(model)
 

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import HfscaleError, first_line
+from ..util.errors import HfscaleError, first_line
 
 KINDS = {"gguf": "llama.cpp (llama-cpp-python)", "pte": "executorch.runtime (XNNPACK)", "transformers": "transformers (torch eager)"}
 METRICS = ("prefill_tokens_per_s", "decode_tokens_per_s", "ttft_s", "peak_rss_bytes", "load_s")
@@ -139,7 +139,7 @@ def _sidecar(path: str) -> dict:
 
 
 def tokenizer_source(path: str, kind: str) -> str:
-    from ..models import TINY, has_tokenizer
+    from ..models.builtin import TINY, has_tokenizer
 
     if kind == "transformers":
         return path if has_tokenizer(path) else TINY
@@ -149,8 +149,8 @@ def tokenizer_source(path: str, kind: str) -> str:
 
 def prompt_ids(path: str, kind: str, n: int) -> list[int]:
     """n token ids of held-out text under the artifact's tokenizer (bos first)."""
-    from ..corpus import load_text
-    from ..models import load_tokenizer
+    from ..models.corpus import load_text
+    from ..models.builtin import load_tokenizer
 
     tok = load_tokenizer(tokenizer_source(path, kind))
     ids: list[int] = []
@@ -326,7 +326,7 @@ def host_info(threads: int) -> dict:
 
     import torch
 
-    from ..hosts import bf16_support
+    from ..util.hosts import bf16_support
 
     model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.machine())
     return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16": bf16_support("cpu").detail,

@@ -6,7 +6,7 @@ DDP's model.safetensors) into sharded safetensors files in CHUNK-sized reads: th
 computed from the shapes first, then each tensor's bytes are copied piece by piece, so peak memory is the
 chunk plus a fixed overhead, whatever the model or its largest tensor. The values are DeepSpeed's fp32
 master weights, the ones `zero_to_fp32` consolidates (byte-identical); the output is staged and renamed
-(hfscale.atomic) and holds config.json, the shards and model.safetensors.index.json.
+(hfscale.util.atomic) and holds config.json, the shards and model.safetensors.index.json.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 
 CHUNK = 16 << 20  # bytes copied at a time
 DEFAULT_SHARD = 2 * 10**9
@@ -149,8 +149,8 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, shard_bytes: int = D
            check: bool = True) -> ExportResult:
     """Write `out`: a transformers directory (config.json, sharded fp32 safetensors + index) from a recipe checkpoint.
     `check`: refuse a checkpoint whose files differ from its manifest."""
-    from ..atomic import check_writable, staged
-    from ..models import load_config
+    from ..util.atomic import check_writable, staged
+    from ..models.builtin import load_config
     from ..train.state import damage
 
     ckpt = Path(ckpt)

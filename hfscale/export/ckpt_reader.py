@@ -21,7 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..errors import HfscaleError, first_line
+from ..compress.schemes import default_embed_qtype
+from ..util.errors import HfscaleError, first_line
 
 QTYPES = ("F16", "BF16", "Q8_0", "Q4_0")
 EMBED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
@@ -49,16 +50,6 @@ SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma4_text")
 EMBEDDING_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
 GEMMA4_SUPPORTED = ("Gemma 4 text decoders: sliding + full attention, per-layer embeddings, shared KV, "
                     "k=v attention, double-wide MLP, default/proportional RoPE, 26B-A4B-style mixture of experts")
-
-
-def default_embed_qtype(qtype: str) -> str:
-    """Float exports keep the embedding at their own precision; quantized ones keep it at Q8_0.
-
-    For Gemma the token embedding is also the (tied) output head over a 262k vocabulary: llama.cpp
-    measured Gemma perplexity 9.48 with Q8_0 embeddings vs 9.68 with Q6_K (ANCHORS), and it is a
-    small share of the file for the real models' ratios of vocab to depth.
-    """
-    return qtype if qtype in ("F16", "BF16") else "Q8_0"
 
 
 @dataclass(frozen=True)

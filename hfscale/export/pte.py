@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 from . import evalset as E
 
 QTYPES = ("fp32", "8da4w")
@@ -71,7 +71,7 @@ class PteRunner:
     def __init__(self, path: Path):
         from executorch.runtime import Runtime
 
-        from ..quiet import native_noise_dropped
+        from ..util.quiet import native_noise_dropped
 
         with native_noise_dropped():  # XNNPACK's cpuinfo lines, written by C++ straight to stderr
             self.method = Runtime.get().load_program(str(path)).load_method("forward")

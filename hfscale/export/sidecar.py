@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..atomic import write_text_atomic
+from ..util.atomic import write_text_atomic
 
 
 def sidecar_path(out: Path) -> Path:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 from .memory import Strategy
 from .planner import Candidate, Hardware, candidates, pick, shortfall
 from .prediction import Prediction, from_analytic, from_trace
@@ -97,7 +97,7 @@ class _Predictor:
     @property
     def config(self):
         if self._config is None:
-            from ..models import load_config
+            from ..models.builtin import load_config
 
             self._config = load_config(self.model)
         return self._config
@@ -168,7 +168,7 @@ def _cached_step(model: str, s: Strategy, grad_accum: int, kernels: str, compute
     from dataclasses import asdict
     from importlib.metadata import version
 
-    from ..cache import cache_root, cached_json
+    from ..util.cache import cache_root, cached_json
     from .shape import _source_bytes
 
     try:
@@ -190,7 +190,7 @@ def _code_digest() -> bytes:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    files = sorted((root / "plan").glob("*.py")) + [root / "models.py", root / "checkpointing.py"]
+    files = sorted((root / "plan").glob("*.py")) + [root / "models" / "builtin.py", root / "models" / "dims.py", root / "scale" / "checkpointing.py"]
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).digest()
 
 

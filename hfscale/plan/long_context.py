@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .dims import Dims
+from ..models.dims import Dims
 from .memory import Strategy, activation_bytes
 from .parallel import analytic
 
@@ -84,7 +84,7 @@ def forward_flops(d: Dims, tokens: int, seq: int) -> float:
 def lever_prediction(d: Dims, s: Strategy, levers, pcie_gbps: float = 25.0, tflops: float = 400.0) -> LeverPrediction:
     """The analytic prediction (`parallel.analytic(d, s)`) with `levers` (hfscale.scale.long_context.Levers; `alst_levers` for the defaults)
     applied, per rank."""
-    from ..checkpointing import checkpointed_layers
+    from ..scale.checkpointing import checkpointed_layers
 
     base = analytic(d, s)
     e = 2 if s.precision == "bf16" else 4

@@ -63,9 +63,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import HfscaleError
-from ..checkpointing import checkpointed_layers, parse_checkpointing
-from .dims import Dims
+from ..util.errors import HfscaleError
+from ..scale.checkpointing import checkpointed_layers, parse_checkpointing
+from ..models.dims import Dims
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4}
 CUDA_CONTEXT_BYTES = 512 * 2**20

@@ -29,13 +29,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..errors import HfscaleError
-from .dims import Dims
+from ..util.errors import HfscaleError
+from ..models.dims import Dims
 from .memory import expert_params
 
 # transformers-serving --quant -> the GGUF qtype of the same width, and ggml bytes per weight
 GGUF_FOR_QUANT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
-GGUF_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
 LLAMA_COMPUTE_BUFFER = 512 * 2**20  # llama.cpp's CUDA compute buffer, order of magnitude (not measured here)
 GPU_SIZES_GB = (8, 12, 16, 24, 48, 80)
 
@@ -188,7 +187,7 @@ def plan(d: Dims, quant: str = "bf16", kv_cache_bytes: int = 0, ram_budget: int 
 
 def _gguf_bytes(d: Dims, qtype: str) -> tuple[int, int]:
     """(file bytes of the weights, one MoE layer's experts) in hfscale's GGUF layout at `qtype`."""
-    from ..export.gguf import default_embed_qtype
+    from ..compress.schemes import GGUF_BYTES, default_embed_qtype
 
     n_exp = expert_params(d)
     layer_exp = 3 * d.experts * d.hidden * d.moe_intermediate

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .dims import Dims
+from ..models.dims import Dims
 from .memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Strategy, activation_bytes, model_state_bytes
 
 

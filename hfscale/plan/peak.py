@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dataclasses import replace
 
-from ..cache import cache_root, cached_json
+from ..util.cache import cache_root, cached_json
 from .memory import runs_as
 from .trace import PhasePeak, StepTrace, trace_step
 
@@ -83,7 +83,7 @@ def depth_plan(config, checkpointing: str) -> tuple[int, int, int] | None:
     and no other config entry is per layer (Gemma 4's KV-shared and double-wide layers are caught here)."""
     import math
 
-    from ..checkpointing import every_n_layers
+    from ..scale.checkpointing import every_n_layers
 
     d = config.to_dict()
     L = d.get("num_hidden_layers")

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..checkpointing import checkpointed_layers, resolve
-from ..errors import HfscaleError
+from ..scale.checkpointing import checkpointed_layers, resolve
+from ..util.errors import HfscaleError
 from .memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, Strategy
 from .prediction import Prediction
 

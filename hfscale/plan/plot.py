@@ -37,10 +37,10 @@ def plot_candidates(rows: list, path: str, title: str, gpu_mem: int, limit: int 
 
 
 def save_png(fig, path: str, dpi: int) -> None:
-    """Write a matplotlib figure to `path` through a stage (hfscale.atomic), then close it."""
+    """Write a matplotlib figure to `path` through a stage (hfscale.util.atomic), then close it."""
     import matplotlib.pyplot as plt
 
-    from ..atomic import staged
+    from ..util.atomic import staged
 
     fig.tight_layout()
     try:
@@ -54,7 +54,7 @@ KIND_ORDER = ("parameters", "buffers", "master_weights", "optimizer", "gradients
 
 
 def plot_timeline(ranks: list[dict], path: str, title: str, predicted: dict[int, int] | None = None) -> None:
-    """Stacked live bytes by kind over the ops of the profiled steps (`hfscale.profile`), one panel per rank
+    """Stacked live bytes by kind over the ops of the profiled steps (`hfscale.proofs.profile`), one panel per rank
     (at most 4), with a band per step phase and the plan's predicted steady peak for that rank as a line."""
     import matplotlib
 

@@ -18,12 +18,12 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..cache import cache_root, cached_json
-from ..errors import HfscaleError
-from .dims import Dims, LayerDims, dims_from_config
+from ..util.cache import cache_root, cached_json
+from ..util.errors import HfscaleError
+from ..models.dims import Dims, LayerDims, dims_from_config
 
 SHAPE_FORMAT = 2  # bump when ModelShape's fields or their meaning change
-CODE = ("models.py", "plan/dims.py", "plan/shape.py", "scale/parallel.py")  # what computes a shape (part of the key)
+CODE = ("models/builtin.py", "models/dims.py", "plan/shape.py", "scale/parallel.py")  # what computes a shape (part of the key)
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,10 @@ def shape_of(config) -> ModelShape:
 
 def _source_bytes(name_or_path: str) -> bytes | None:
     """The bytes a config resolves from, or None where they cannot be known without resolving (hub names)."""
-    from ..models import BUILTIN, dimension_configs
+    from ..models.builtin import BUILTIN, dimension_configs
 
     if name_or_path in BUILTIN:
-        return b"builtin:" + name_or_path.encode()  # built from models.py, which is in _code_bytes
+        return b"builtin:" + name_or_path.encode()  # built from models/builtin.py, which is in _code_bytes
     dims = dimension_configs()
     if name_or_path in dims:
         return dims[name_or_path].read_bytes()
@@ -111,7 +111,7 @@ def _cache_path(source: bytes) -> Path:
 
 def model_shape(name_or_path: str) -> ModelShape:
     """`shape_of(load_config(name_or_path))`, through the cache."""
-    from ..models import load_config
+    from ..models.builtin import load_config
 
     try:
         source = _source_bytes(name_or_path)

@@ -15,7 +15,7 @@ What is traced is what this module runs, per rank without sharding (ZeRO-0 / DDP
              bf16-autocast fp32 weights, bf16 compute under torch.autocast (accelerate's DDP/FSDP
                            mixed precision); gradients and AdamW fp32
              bf16-pure     bf16 weights, gradients and AdamW states
-  checkpointing off | full | every:K through `hfscale.checkpointing` (non-reentrant, as the recipes run it)
+  checkpointing off | full | every:K through `hfscale.scale.checkpointing` (non-reentrant, as the recipes run it)
   attention  sdpa | eager (transformers' attn_implementation); LoRA via peft on every decoder linear
   grad_accum 2+ traces two micro batches per step, so the second forward runs with gradients alive.
 
@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 from .kernels import KERNELS, cuda_attention
 from .tracker import KINDS, PhasePeak, phase_peak as _phase, step_tracker
 
@@ -255,7 +255,7 @@ def _state_bytes(opt) -> int:
 def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw="fused", levers=None):
     import torch
 
-    from ..checkpointing import apply_checkpointing_
+    from ..scale.checkpointing import apply_checkpointing_
 
     apply_checkpointing_(model, checkpointing)
     if levers is not None:  # long-context tiling (hfscale.scale.long_context); the offload is not traced here
@@ -272,7 +272,7 @@ def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=
 
 
 def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw="fused"):
-    from ..checkpointing import parse_checkpointing
+    from ..scale.checkpointing import parse_checkpointing
 
     if precision not in PRECISIONS:
         raise HfscaleError(f"precision {precision!r} cannot be traced; use one of {', '.join(PRECISIONS)}")
@@ -434,7 +434,7 @@ def _failing_op(e: Exception):
 
 
 def _line(e: Exception) -> str:
-    from ..errors import first_line
+    from ..util.errors import first_line
 
     return first_line(e, limit=200)
 

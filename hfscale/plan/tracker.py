@@ -1,5 +1,5 @@
 """torch's MemTracker as hfscale runs it: one home for how live bytes are counted and named, used by the
-fake-tensor step trace (`trace.py`) and by the measured timeline (`hfscale.profile`).
+fake-tensor step trace (`trace.py`) and by the measured timeline (`hfscale.proofs.profile`).
 
 `StepTracker` is `torch.distributed._tools.mem_tracker.MemTracker` minus its per-module peak bookkeeping
 (which costs O(modules) per op: a Gemma 3 1B forward at 1024 tokens took 6.6 s tracked against 1.0 s

@@ -2,7 +2,7 @@
 TrainingArguments keywords (as YAML) that agree with them, and the same settings as a
 recipes/train_clm.py config. The checkpointing the plan costed (off / full / every:K) is the one all
 three ways of training run: Trainer gets every_n_layers, the recipe and plain loops
-`hfscale.checkpointing.apply_checkpointing_`."""
+`hfscale.scale.checkpointing.apply_checkpointing_`."""
 
 from __future__ import annotations
 
@@ -10,22 +10,17 @@ from pathlib import Path
 
 import yaml
 
-from ..atomic import check_writable, write_text_atomic
+from ..util.atomic import check_writable, write_text_atomic
 from ..scale.files import render_config_set
-from ..scale.runtime import training_arguments_kwargs
+from ..scale.trainer import to_training_arguments
 from .planner import to_scale_spec
 
 
 def write_plan(row, hw, out: Path, force: bool = False, model: str | None = None, seq_len: int | None = None) -> list[Path]:
     spec = to_scale_spec(row, hw)
     files = render_config_set(spec, out, out)
-    kw = training_arguments_kwargs(spec)
-    kw.pop("deepspeed", None)
-    kw.pop("use_cpu", None)
-    kw.pop("ddp_backend", None)
+    kw = to_training_arguments(spec, deepspeed=str(out / f"{spec.name}.json"))  # for the cluster, not this host
     args = {"per_device_train_batch_size": row.micro_batch, "gradient_accumulation_steps": row.grad_accum, **kw}
-    if spec.uses_deepspeed:
-        args["deepspeed"] = str(out / f"{spec.name}.json")
     header = f"# TrainingArguments for the plan '{row.label}' (hfscale plan --write); predicted peak {row.peak_bytes / 1e9:.1f} GB/GPU\n"
     files[out / "training_args.yaml"] = header + yaml.safe_dump(args, sort_keys=False)
     if model and seq_len:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import yaml
 
-from ..checkpointing import parse_checkpointing
+from .checkpointing import parse_checkpointing
 from .spec import ScaleSpec
 
 
@@ -57,7 +57,7 @@ def to_accelerate(spec: ScaleSpec, deepspeed_config_file: str | None = None) -> 
             cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     elif spec.engine == "fsdp2":
         # accelerate's fsdp_activation_checkpointing (checkpoint_wrapper on every layer) fails on transformers 5's
-        # decoder layers (hfscale.checkpointing.with_launch): checkpointing is applied by the training code, full or
+        # decoder layers (hfscale.scale.checkpointing.with_launch): checkpointing is applied by the training code, full or
         # every:K (transformers' every_n_layers; a comment in the YAML says so)
         f = spec.fsdp
         cfg["fsdp_config"] = {
@@ -109,7 +109,7 @@ def parallelism_block(spec: ScaleSpec) -> dict:
     return block
 
 
-def launch_command(spec: ScaleSpec, yaml_path: str, script: str = "-m hfscale.proof") -> str:
+def launch_command(spec: ScaleSpec, yaml_path: str, script: str = "-m hfscale.proofs.engine") -> str:
     cmd = f"accelerate launch --config_file {yaml_path}"
     if spec.launch.num_machines > 1:
         cmd += " --machine_rank $MACHINE_RANK --main_process_ip $MAIN_ADDR"

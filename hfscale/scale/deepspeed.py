@@ -84,3 +84,23 @@ def to_deepspeed(spec: ScaleSpec) -> dict:
     config["steps_per_print"] = 1_000_000  # keep DeepSpeed's own step logging out of the way
     config["wall_clock_breakdown"] = False
     return config
+
+
+def ds_precision(ds: dict) -> str | None:
+    """The precision a DeepSpeed JSON (as a user wrote it) asks for: bf16 | fp16 | fp32, or None where it leaves it to
+    accelerate ("auto" or absent)."""
+
+    absent = object()
+
+    def enabled(section: str):
+        sub = ds.get(section) if isinstance(ds, dict) else None
+        return sub.get("enabled", absent) if isinstance(sub, dict) else absent
+
+    bf, fp = enabled("bf16"), enabled("fp16")
+    if bf is True:
+        return "bf16"
+    if fp is True:
+        return "fp16"
+    if bf is False and (fp is False or fp is absent) or (bf is absent and fp is False):
+        return "fp32"
+    return None  # auto / absent: filled from elsewhere

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import check_writable, write_text_atomic
+from ..util.atomic import check_writable, write_text_atomic
 from .accelerate import render_yaml
 from .deepspeed import to_deepspeed
 from .spec import ScaleSpec, check_nvme_path

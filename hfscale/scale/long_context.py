@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..util.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..util.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,10 @@ class Heads:
 
 
 def heads(config) -> Heads:
-    """From hfscale.plan.dims where it knows the family (Gemma 4's per-layer heads included), else from the
+    """From hfscale.models.dims where it knows the family (Gemma 4's per-layer heads included), else from the
     config's own attributes. A `Heads` (e.g. hfscale.plan.shape's cached one) is returned as it is."""
-    from ..errors import HfscaleError
-    from ..plan.dims import dims_from_config
+    from ..util.errors import HfscaleError
+    from ..models.dims import dims_from_config
 
     if isinstance(config, Heads):
         return config

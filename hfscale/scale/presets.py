@@ -54,7 +54,7 @@ PRESETS: dict[str, ScaleSpec] = {
 
 
 def preset(name: str) -> ScaleSpec:
-    from ..errors import ConfigError
+    from ..util.errors import ConfigError
 
     if name not in PRESETS:
         raise ConfigError(f"unknown config {name!r}; choose one of: {', '.join(PRESETS)}")

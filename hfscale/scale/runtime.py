@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .deepspeed import to_deepspeed
-from ..checkpointing import every_n_layers
 from .spec import ScaleSpec
+from .trainer import to_training_arguments
 
 
 @dataclass(frozen=True)
@@ -27,9 +26,9 @@ def read_launch(environ) -> LaunchView:
     """The launch as accelerate will see it: the DeepSpeed JSON, else accelerate's mixed_precision."""
     import torch
 
-    from ..doctor.checks import ds_precision
-    from ..doctor.inputs import read_mapping
-    from ..errors import HfscaleError
+    from .deepspeed import ds_precision
+    from .load import read_mapping
+    from ..util.errors import HfscaleError
 
     try:
         world = int(environ.get("WORLD_SIZE", "1"))
@@ -56,7 +55,7 @@ def cpu_only_host() -> bool:
 def make_accelerator(precision: str | None = None, **kwargs):
     """`accelerate.Accelerator(**kwargs)` that really distributes, on GPU and on CPU-only hosts.
 
-    `precision` (bf16 | fp16 | fp32, e.g. from `hfscale.hosts.resolve_precision`) replaces what the
+    `precision` (bf16 | fp16 | fp32, e.g. from `hfscale.util.hosts.resolve_precision`) replaces what the
     launch config says: the DeepSpeed plugin's bf16/fp16 blocks (read by `deepspeed.initialize` at
     `prepare`), or accelerate's mixed_precision for the other engines. None: the launch config decides.
 
@@ -78,7 +77,7 @@ def make_accelerator(precision: str | None = None, **kwargs):
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -186,7 +185,7 @@ def enable_fsdp_on_cpu(environ, precision: str | None = None):
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
 
     version = str(environ.get("FSDP_VERSION", "1"))
     if version != "2":
@@ -221,7 +220,7 @@ def enable_fsdp_on_cpu(environ, precision: str | None = None):
 def refuse_parallel_on_cpu(environ, deepspeed: bool | None = None) -> None:
     """accelerate 1.16 applies a parallelism_config only under FSDP2, DeepSpeed or a multi-GPU/accelerator type;
     on a CPU-only host it raises at Accelerator() (MULTI_CPU). DeepSpeed Ulysses SP does run here (gloo)."""
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
 
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true" or not cpu_only_host():
         return
@@ -236,7 +235,7 @@ def refuse_parallel_on_cpu(environ, deepspeed: bool | None = None) -> None:
         raise HfscaleError(
             f"accelerate does not apply tp_size / cp_size on a CPU-only host ({sizes}; it accepts a parallelism_config "
             "only under GPU DDP, FSDP2 or DeepSpeed); run TP / CP on GPUs, or here load the model with "
-            "DistributedConfig(tp_plan=\"auto\") under a launch without parallelism_config (hfscale.parallel_proof --mode tp)")
+            "DistributedConfig(tp_plan=\"auto\") under a launch without parallelism_config (hfscale.proofs.parallel --mode tp)")
 
 
 def set_deepspeed_precision(ds_config: dict, precision: str) -> dict:
@@ -269,19 +268,20 @@ def make_optimizer(accelerator, model, lr: float, weight_decay: float = 0.0, bet
 
 
 def training_arguments_kwargs(spec: ScaleSpec) -> dict:
-    """Keyword arguments for `transformers.TrainingArguments` that agree with the spec's DeepSpeed JSON.
+    """Keyword arguments for `transformers.TrainingArguments` that agree with the spec's DeepSpeed JSON
+    (`scale.trainer.to_training_arguments`), plus what this host needs (use_cpu, gloo inside a launch).
 
     >>> TrainingArguments(output_dir="out", per_device_train_batch_size=4, **training_arguments_kwargs(spec))
 
     Inside a launch it also registers `end_process_group_at_exit` (Trainer destroys its process group only in an
-    explicit `trainer.end()`); end
-    the script with `hfscale.exit_rank(0)` to skip interpreter finalization altogether (the exit race, see exit_rank).
+    explicit `trainer.end()`); end the script with `hfscale.exit_rank(0)` to skip interpreter finalization
+    altogether (the exit race, see exit_rank).
     """
     import os
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # inside a launch (a plan written here is for elsewhere)
     if spec.engine == "fsdp2" and launched and (cpu_only_host() or spec.launch.use_cpu):
-        from ..errors import ConfigError
+        from ..util.errors import ConfigError
 
         # Trainer builds its own Accelerator(cpu=True): MULTI_CPU, where accelerate never applies FSDP (the trap
         # make_accelerator works around); every rank would train the whole model
@@ -290,21 +290,7 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
                           "DeepSpeed config with Trainer")
     if launched:
         end_process_group_at_exit()
-    every = every_n_layers(spec.gradient_checkpointing)
-    kw: dict = {
-        "bf16": spec.precision == "bf16",
-        "fp16": spec.precision == "fp16",
-        "max_grad_norm": float(spec.gradient_clipping),
-        "gradient_checkpointing": every is not None,
-    }
-    if every is not None:
-        # non-reentrant checkpointing works with frozen parameters and ZeRO-3 (transformers #47254);
-        # Trainer hands every_n_layers to activation_checkpointing_enable, so every:K stays every:K
-        kw["gradient_checkpointing_kwargs"] = {"use_reentrant": False, "every_n_layers": every}
-    if spec.gradient_accumulation_steps != "auto":
-        kw["gradient_accumulation_steps"] = spec.gradient_accumulation_steps
-    if spec.uses_deepspeed:
-        kw["deepspeed"] = to_deepspeed(spec)
+    kw = to_training_arguments(spec)
     if cpu_only_host() or spec.launch.use_cpu:
         # Trainer on a CPU host: use_cpu so it accepts bf16 there, and gloo when launched distributed
         # (outside a launch, a ddp_backend makes TrainingArguments try to join a process group)
@@ -312,3 +298,9 @@ def training_arguments_kwargs(spec: ScaleSpec) -> dict:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             kw["ddp_backend"] = "gloo"
     return kw
+
+
+def deepspeed_engine(accelerator):
+    """The DeepSpeed engine accelerate prepared, or None."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return wrapped.engine if wrapped is not None else None

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Literal, Union
 
-from ..checkpointing import parse_checkpointing
-from ..errors import ConfigError
+from .checkpointing import parse_checkpointing
+from ..util.errors import ConfigError
 
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
 Device = Literal["none", "cpu", "nvme"]

@@ -168,7 +168,7 @@ def install_per_shape_attention(name: str, core, group, micro_batch: int, seq_le
 def launch_parallel(environ):
     """The sp / tp / cp sizes a launch asks for (accelerate's launcher exports its parallelism_config keys as
     PARALLELISM_CONFIG_*), as a validated hfscale Parallel; read once at a recipe's start."""
-    from ..errors import ConfigError
+    from ..util.errors import ConfigError
     from .spec import Parallel
 
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..errors import ConfigError
+from ..util.errors import ConfigError
 
 
 @dataclass(frozen=True)

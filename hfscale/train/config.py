@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError, HfscaleError, first_line
+from ..util.errors import ConfigError, HfscaleError, first_line
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # plain loops; DeepSpeed takes gradient_clipping from its JSON
     checkpointing: str = "off"  # off | full | every:K | auto (every ~sqrt(layers)-th layer)
     # launch: what the DeepSpeed JSON / accelerate config says; auto: the same, but fp32 where it says
-    # bf16 on a host that emulates bf16 (hfscale.hosts); bf16 | fp16 | fp32: this, whatever the launch says
+    # bf16 on a host that emulates bf16 (hfscale.util.hosts); bf16 | fp16 | fp32: this, whatever the launch says
     precision: str = "launch"
     eval_every: int = 50
     eval_blocks: int = 64  # held-out sequences per evaluation
@@ -39,7 +39,7 @@ class TrainConfig:
     doctor: bool = True  # run hfscale doctor's checks on the launch config first
     max_train_blocks: int = 0  # 0 = all packed training sequences
     progress: bool = True
-    # > 0: record the memory timeline of the first N steps (hfscale.profile) into OUTPUT_DIR/memory:
+    # > 0: record the memory timeline of the first N steps (hfscale.proofs.profile) into OUTPUT_DIR/memory:
     # rank{R}.json per rank, profile.json (measured vs the plan's prediction) and timeline.png
     profile_memory: int = 0
     # ALST's long-context levers (hfscale.scale.long_context; docs/long_context.md): the logits + loss and the
@@ -64,10 +64,10 @@ class TrainConfig:
                 f"use {max(1, self.global_batch_tokens // self.seq_len) * self.seq_len:,} or another multiple"
             )
         if self.checkpointing != "auto":
-            from ..checkpointing import parse_checkpointing
+            from ..scale.checkpointing import parse_checkpointing
 
             parse_checkpointing(self.checkpointing)
-        from ..hosts import PRECISION_CHOICES
+        from ..util.hosts import PRECISION_CHOICES
 
         if self.precision not in PRECISION_CHOICES:
             raise ConfigError(f"precision {self.precision!r} not understood; use one of {', '.join(PRECISION_CHOICES)}")
@@ -174,10 +174,10 @@ def parse_recipe_args(argv, doc: str, config_help: str, cls=TrainConfig) -> tupl
     p.add_argument("--config", help=config_help)
     p.add_argument("--force", action="store_true", help="start over in an OUTPUT_DIR that already holds a run")
     p.add_argument("--verbose", action="store_true", help="also show the third-party notices hidden by default "
-                   "(hfscale/quiet.py lists them)")
+                   "(hfscale/util/quiet.py lists them)")
     add_override_args(p, cls)
     args = p.parse_args(argv)
-    from ..quiet import quiet_unless_verbose
+    from ..util.quiet import quiet_unless_verbose
 
     quiet_unless_verbose(args.verbose)  # each rank parses its arguments before torch is imported
     return args.config, {k: v for k, v in vars(args).items() if k not in ("config", "force", "verbose")}, args.force

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError, HfscaleError
+from ..util.errors import ConfigError, HfscaleError
 from .config import TrainConfig
 
 TEACHER_PLACEMENTS = {"replicated": "a full frozen copy on every rank",
@@ -74,7 +74,7 @@ def load_teacher(name: str, device, placement: str = "replicated"):
     """The frozen teacher: fp32, eval mode, no gradients; with placement zero3, partitioned (shard_zero3)."""
     import torch
 
-    from ..models import build_model
+    from ..models.builtin import build_model
 
     teacher = build_model(name, dtype=torch.float32).to(device).eval().requires_grad_(False)
     return shard_zero3(teacher) if placement == "zero3" else teacher

@@ -44,8 +44,8 @@ RUN_OUTPUTS = ("checkpoints", "model", "metrics.jsonl", "recipe.json", "memory",
 
 def check_run_outputs(cfg) -> None:
     """Refuse an OUTPUT_DIR whose outputs would replace (or sit inside) the model or data it reads,
-    or that cannot be created, before anything is loaded (hfscale.atomic)."""
-    from ..atomic import check_overlap, check_parents
+    or that cannot be created, before anything is loaded (hfscale.util.atomic)."""
+    from ..util.atomic import check_overlap, check_parents
 
     outputs = {Path(cfg.output_dir) / name: "--output-dir" for name in RUN_OUTPUTS}
     check_overlap(outputs, {cfg.model: "--model", cfg.data: "--data", cfg.validation: "--validation"})
@@ -55,10 +55,10 @@ def check_run_outputs(cfg) -> None:
 def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     """Every check that can fail on the user's input, before a process group or a model exists.
     `source`: the recipe YAML the settings came from (named in doctor's findings)."""
-    from ..corpus import load_text
-    from ..errors import HfscaleError
-    from ..hosts import bf16_support, resolve_precision
-    from ..models import load_config
+    from ..models.corpus import load_text
+    from ..util.errors import HfscaleError
+    from ..util.hosts import bf16_support, resolve_precision
+    from ..models.builtin import load_config
     from ..scale.runtime import read_launch
     from .batching import plan_batch
     from .reshape import check_reshape
@@ -80,7 +80,7 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     if resume is None and not force and (ckpts.complete() or (out / "model").exists()):
         raise HfscaleError(f"{out} already holds a run; pass --resume latest to continue it, --force to start over, "
                            "or another --output-dir")
-    from ..checkpointing import resolve, with_launch
+    from ..scale.checkpointing import resolve, with_launch
 
     n_layers = getattr(getattr(model_config, "text_config", None) or model_config, "num_hidden_layers", 1)
     with_launch(resolve(cfg.checkpointing, n_layers), launch.fsdp_checkpoints_all)  # refused here, before any process group
@@ -101,7 +101,7 @@ def run_doctor(cfg, plan, launch, precision, support, source: str | None) -> Non
     the recipe runs, where it overrides the JSON's), the model, and the recipe's batch shape and
     precision, passed as data. A finding names only the user's files and the recipe's settings."""
     from ..doctor import check
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
     from ..scale.runtime import set_deepspeed_precision
 
     label = source or "recipe settings"
@@ -132,7 +132,7 @@ def run_doctor(cfg, plan, launch, precision, support, source: str | None) -> Non
 def start_run(cfg, force: bool, pre: Preflight, tag: str):
     """Accelerator (right on CPU hosts too) in the precision chosen, a clean OUTPUT_DIR on the main rank,
     the batch arithmetic and (if it differs from the launch config) the precision said in one line."""
-    from ..atomic import write_text_atomic
+    from ..util.atomic import write_text_atomic
     from ..scale.runtime import make_accelerator, set_deepspeed_micro_batch
 
     plan, ckpts, resume, choice = pre.plan, pre.ckpts, pre.resume, pre.precision
@@ -159,7 +159,7 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
 
 def load_blocks(cfg, tokenizer, data):
     """Train and held-out blocks: tokenised, packed to seq_len, bos ... eos per document."""
-    from ..corpus import packed_blocks
+    from ..models.corpus import packed_blocks
 
     train_blocks = packed_blocks(tokenizer, data["train"]["text"], cfg.seq_len)
     if cfg.max_train_blocks:
@@ -196,8 +196,8 @@ def resume_from(accelerator, resume, tag: str) -> int:
     (hfscale.train.reshape), said in one line."""
     from accelerate.utils import gather_object
 
-    from ..errors import HfscaleError
-    from ..profile import deepspeed_engine
+    from ..util.errors import HfscaleError
+    from .step import deepspeed_engine
     from .reshape import load_universal, saved_facts
 
     if resume is None:
@@ -233,7 +233,7 @@ def stopped(e: BaseException, tag: str, rank: int) -> int:
     import contextlib
     import signal
 
-    from ..errors import HfscaleError
+    from ..util.errors import HfscaleError
     from ..scale.runtime import end_process_group
     from .preempt import STOP_SIGNALS, Preempted
 
@@ -252,9 +252,9 @@ def stopped(e: BaseException, tag: str, rank: int) -> int:
 
 def write_memory_profile(accelerator, prof, optimizer, cfg, plan) -> None:
     """OUTPUT_DIR/memory: every rank's timeline, then (main rank) the report against the plan's prediction."""
-    from ..atomic import write_text_atomic
-    from ..models import load_config
-    from ..profile import write_report
+    from ..util.atomic import write_text_atomic
+    from ..models.builtin import load_config
+    from ..plan.profiler import write_report
 
     out = Path(cfg.output_dir) / "memory"
     res = prof.result(accelerator, optimizer, cfg.model, plan.micro_batch, cfg.seq_len, cfg.checkpointing,
@@ -292,7 +292,8 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
     import torch
     from tqdm.auto import tqdm
 
-    from ..profile import MemoryProfiler, backward, deepspeed_engine, optimizer_step
+    from ..plan.profiler import MemoryProfiler
+    from .step import backward, deepspeed_engine, optimizer_step
     from .batching import rank_indices
     from .metrics import peak_memory_bytes
     from .preempt import Preempted, StopRequest

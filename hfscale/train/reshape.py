@@ -26,7 +26,7 @@ import json
 import time
 from pathlib import Path
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 
 UNIVERSAL_SUFFIX = ".universal"
 DS_TAG = "pytorch_model"  # the tag accelerate's save_state gives DeepSpeed's save_checkpoint
@@ -34,7 +34,7 @@ DS_TAG = "pytorch_model"  # the tag accelerate's save_state gives DeepSpeed's sa
 
 def engine_facts(accelerator) -> dict:
     """What the checkpoint of this run will be: engine, ZeRO stage, offload, ranks (stored in its marker)."""
-    from ..profile import deepspeed_engine
+    from .step import deepspeed_engine
 
     engine = deepspeed_engine(accelerator)
     fsdp = "FSDP" in str(accelerator.distributed_type)
@@ -88,7 +88,7 @@ def convert(path: Path) -> tuple[Path, bool]:
     (directory, reused). The checkpoint itself is only read."""
     from deepspeed.checkpoint import ds_to_universal
 
-    from ..atomic import staged, write_text_atomic
+    from ..util.atomic import staged, write_text_atomic
     from . import manifest
     from .state import MARKER, damage
 
@@ -111,7 +111,7 @@ def load_universal(accelerator, path: Path) -> tuple[Path, str]:
     """Collective: the main rank converts (or reuses) `path`'s universal checkpoint, then every rank loads it."""
     from accelerate.utils import broadcast_object_list
 
-    from ..profile import deepspeed_engine
+    from .step import deepspeed_engine
 
     engine = deepspeed_engine(accelerator)
     said = [None]

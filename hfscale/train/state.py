@@ -4,7 +4,7 @@ final consolidated transformers directory that is checked before success is repo
 Layout under OUTPUT_DIR/checkpoints/:
   step_00000020/                                  a complete checkpoint (accelerate save_state + hfscale_state.json)
   .hfscale-stage.<host>.<pid>.<start>.step_00000030/  a save in progress, or one a crash interrupted
-                                                  (hfscale.atomic's stage): never resumed from
+                                                  (hfscale.util.atomic's stage): never resumed from
 A checkpoint becomes visible only by renaming its stage after every rank has written its shard and
 the marker is on disk, so a kill at any moment leaves the previous checkpoints intact and usable;
 the next run removes the stage of a writer that is gone.
@@ -26,7 +26,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HfscaleError, first_line
+from ..util.errors import HfscaleError, first_line
 
 MARKER = "hfscale_state.json"
 PREFIX = "step_"
@@ -111,8 +111,8 @@ class Checkpoints:
 
     def clean_partial(self) -> list[Path]:
         """Remove saves a crash interrupted (main process only, before training starts): stages whose
-        writer is gone, and `step_N.partial` directories of runs from before hfscale.atomic staged them."""
-        from ..atomic import clean_stale
+        writer is gone, and `step_N.partial` directories of runs from before hfscale.util.atomic staged them."""
+        from ..util.atomic import clean_stale
 
         legacy = list(self.root.glob(f"{PREFIX}*.partial")) if self.root.is_dir() else []
         for d in legacy:
@@ -189,7 +189,7 @@ class Checkpoints:
         CheckpointWriteError on every rank (stage removed, previous checkpoints kept)."""
         from accelerate.utils import broadcast_object_list, gather_object
 
-        from ..atomic import begin_stage, commit, discard, write_text_atomic
+        from ..util.atomic import begin_stage, commit, discard, write_text_atomic
         from . import manifest
         from .reshape import engine_facts
 
@@ -311,7 +311,7 @@ def save_final(accelerator, model, tokenizer, out: str | os.PathLike) -> dict:
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards to the main process
     result: dict = {}
     if accelerator.is_main_process:
-        from ..atomic import staged
+        from ..util.atomic import staged
 
         state = _drop_tied(accelerator.unwrap_model(model), state)
         # checkpointing switched the KV cache off for training; the saved model is for inference and fine-tuning

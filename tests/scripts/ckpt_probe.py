@@ -53,7 +53,7 @@ if way == "recipe":
 elif way == "trainer":
     from transformers import Trainer, TrainingArguments
 
-    from hfscale.corpus import load_text, packed_blocks
+    from hfscale.models.corpus import load_text, packed_blocks
     from hfscale.models import build_model, load_tokenizer
 
     blocks = packed_blocks(load_tokenizer("tiny-gemma3"), load_text()["train"]["text"][:200], recipe["seq_len"])
@@ -82,8 +82,8 @@ elif way == "trainer":
     end_process_group_at_exit()  # Trainer leaves the process group to interpreter shutdown: the SIGABRT exit race
     Trainer(model=build_model("tiny-gemma3"), args=args, train_dataset=Blocks()).train()
 else:  # a plain accelerate loop, checkpointing the way the plan's recipe.yaml says
-    from hfscale.checkpointing import apply_checkpointing_
-    from hfscale.corpus import load_text, packed_blocks
+    from hfscale.scale.checkpointing import apply_checkpointing_
+    from hfscale.models.corpus import load_text, packed_blocks
     from hfscale.models import build_model, load_tokenizer
     from hfscale.scale.runtime import make_accelerator, make_optimizer
 

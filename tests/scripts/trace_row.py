@@ -6,7 +6,7 @@ import json
 import sys
 
 from hfscale.plan.trace import measure_steps, trace_step
-from hfscale.plan.zoo import ARCHITECTURES
+from hfscale.testing.zoo import ARCHITECTURES
 
 row = json.loads(sys.argv[1])
 config = ARCHITECTURES[row.pop("arch")]()

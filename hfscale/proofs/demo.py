@@ -17,10 +17,10 @@ def _launch_recipe(recipe: str, args: list[str], log: Path) -> None:
     import subprocess
     import sys
 
-    from .errors import HfscaleError
-    from .proof import free_port
+    from ..util.errors import HfscaleError
+    from .engine import free_port
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     path = root / "recipes" / recipe
     if not path.is_file():
         raise HfscaleError(f"{path} not found: run the demo from a checkout of hfscale (make demo)")
@@ -48,10 +48,10 @@ def train_step(out: Path) -> Path:
     """recipes/train_clm.py on 2 CPU processes (ZeRO-2) for about a minute, then the saved model reloaded."""
     import statistics
 
-    from .train.metrics import read_records
+    from ..train.metrics import read_records
 
     _banner("5. the training recipe: tiny Gemma 3, 2 CPU processes, ZeRO-2, checkpoints + consolidated save")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     run_dir = out / "train_tiny"
     log = out / "train_tiny.log"
     _launch_recipe("train_clm.py", ["--config", str(root / "recipes/tiny/train.yaml"), "--output-dir", str(run_dir), "--force",
@@ -71,20 +71,44 @@ def qat_and_export_step(out: Path, model_dir: Path) -> None:
     """QAT on llama.cpp's Q4_0 grid, the quality table, then GGUF Q4_0 + .pte 8da4w run in their runtimes."""
     _banner("6. QAT fine-tune on llama.cpp's Q4_0 grid (2 CPU processes, ZeRO-2), then float / PTQ / QAT perplexity")
     run_dir = out / "qat_tiny"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     log = out / "qat_tiny.log"
     _launch_recipe("qat_clm.py", ["--config", str(root / "recipes/tiny/qat.yaml"), "--model", str(model_dir), "--scheme",
                                   "q4_0", "--output-dir", str(run_dir), "--force", "--progress", "false"], log)
     _banner("7. edge export of the QAT model: GGUF Q4_0 in llama.cpp, ExecuTorch .pte (8da4w) in executorch.runtime")
-    from .export import demo_step
+    print(export_step(run_dir / "quantized", out / "export"))
 
-    print(demo_step(run_dir / "quantized", out / "export"))
+
+def export_table(rows: list[dict]) -> str:
+    head = ("| artifact | runtime | bytes | top-1 vs transformers | max abs dlogit | ppl (runtime) | ppl (fp32) | greedy = eager |\n"
+            "|---|---|---:|---:|---:|---:|---:|---|")
+    lines = [head]
+    for r in rows:
+        v = r["verification"]
+        cmp = v.get("vs_transformers") or v["vs_transformers_fp32"]
+        greedy = v.get("greedy", {}).get("identical")
+        lines.append(f"| {Path(r['out']).name} ({r['scheme']['qtype']}) | {v['runtime']} | {r['bytes']:,} | "
+                     f"{cmp['top1_agreement']:.3f} | {cmp['max_abs_dlogit']:.4f} | {v['perplexity']:.2f} | "
+                     f"{v['perplexity_transformers_fp32']:.2f} | {'-' if greedy is None else greedy} |")
+    return "\n".join(lines)
+
+
+def export_step(model_dir, out_dir) -> str:
+    """GGUF Q4_0 and .pte 8da4w of one model directory, each run in its runtime on small verification slices."""
+    from ..export.artifacts import export_gguf, export_pte
+    from ..export.evalset import EvalSet
+
+    evalset = EvalSet(n_prompts=4, prompt_tokens=96, ppl_blocks=4, seq_len=128)
+    out = Path(out_dir)
+    g = export_gguf(str(model_dir), out / "model-Q4_0.gguf", "Q4_0", force=True, evalset=evalset)
+    p = export_pte(str(model_dir), out / "model-8da4w.pte", "8da4w", force=True, n_generate=16, evalset=evalset)
+    return export_table([g, p])
 
 
 def run_demo(out: str = "demo_out") -> int:
-    from .proof import launch, print_table, summarize
-    from .scale.files import write_config_sets
-    from .scale.presets import PRESETS
+    from .engine import launch, print_table, summarize
+    from ..scale.files import write_config_sets
+    from ..scale.presets import PRESETS
 
     out = Path(out)
     t0 = time.time()
@@ -94,14 +118,14 @@ def run_demo(out: str = "demo_out") -> int:
     for p in write_config_sets(specs, out / "accelerate_configs", out / "ds_configs", force=True):
         print(f"  wrote {p}")
 
-    from .doctor import check
+    from ..doctor import check
 
     for spec in specs:
         errors = [f for f in check(accelerate=out / "accelerate_configs" / f"{spec.name}.yaml") if f.severity == "error"]
         print(f"  doctor {spec.name}: {'clean' if not errors else errors}")
 
     _banner("2. real training on 2 CPU processes (accelerate launch + DeepSpeed / FSDP2 over gloo)")
-    from .hosts import bf16_support, resolve_precision
+    from ..util.hosts import bf16_support, resolve_precision
 
     # the configs say bf16 (what GPUs run); on this CPU the tiny model runs what it computes natively
     choice = resolve_precision("auto", "bf16", bf16_support("cpu"), what="the tiny model")
@@ -143,7 +167,7 @@ def run_demo(out: str = "demo_out") -> int:
     for f in facts:
         print(f"  - {f}")
     _banner("4. planning a real job from the config alone: Gemma 3 27B, seq 4096, 2 nodes x 8 x 80 GB")
-    from .plan import Hardware, plan
+    from ..plan import Hardware, plan
 
     result = plan("gemma-3-27b", 4096, 1, hardware=Hardware(8, 2, 80 * 10**9), global_batch_tokens=2**20, progress=True)
     best = result.pick

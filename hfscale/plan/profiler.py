@@ -1,10 +1,11 @@
-"""The measured memory timeline of real training steps, per rank, by kind and phase.
+"""The measured memory timeline of real training steps, per rank, by kind and phase: `MemoryProfiler` for any
+loop (the recipes' and yours), and the report `hfscale profile` writes (`write_report`).
 
     hfscale profile --steps 3 --out prof/                                   # the tiny model, 1 process
     hfscale profile --config accelerate_configs/zero2.yaml --num-processes 2 --out prof/
-    accelerate launch --config_file X.yaml -m hfscale.profile --out prof/ranks   # what the above runs
+    accelerate launch --config_file X.yaml -m hfscale.proofs.profile --out prof/ranks   # what the above runs
 
-`MemoryProfiler` is the piece for your own loop (`import hfscale.profile`): built after
+`MemoryProfiler` is the piece for your own loop (`from hfscale.plan.profiler import MemoryProfiler`): built after
 `accelerator.prepare`, it counts, with torch's MemTracker (`hfscale.plan.tracker`), every tensor the
 model, the optimizer and the engine hold (parameters, gradients, optimizer states, DeepSpeed's flat
 fp32 partitions and buckets, ZeRO-3's partitions; data tensors are not counted) and every tensor the
@@ -25,7 +26,6 @@ Run on CPU here (2 processes over gloo, DDP and DeepSpeed ZeRO 0-3): tests/test_
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -33,7 +33,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .plan.tracker import Sample, phase_peak, step_tracker
+from .tracker import Sample, phase_peak, step_tracker
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -187,6 +187,8 @@ class MemoryProfiler:
         """This rank's RankProfile (on CUDA the allocator snapshot goes to snapshot_dir/rank{R}_cuda_snapshot.pickle)."""
         import torch.distributed as dist
 
+        from ..scale.runtime import deepspeed_engine
+
         engine = deepspeed_engine(accelerator)
         zero = engine.zero_optimization_stage() if engine is not None else 0
         offload = "none"
@@ -216,39 +218,12 @@ class MemoryProfiler:
             return None
         import torch
 
-        from .atomic import staged
+        from ..util.atomic import staged
 
         with staged(path) as stage:
             torch.cuda.memory._dump_snapshot(str(stage))
         torch.cuda.memory._record_memory_history(enabled=None)
         return str(path)
-
-
-def deepspeed_engine(accelerator):
-    """The DeepSpeed engine accelerate prepared, or None."""
-    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
-    return wrapped.engine if wrapped is not None else None
-
-
-def backward(accelerator, loss) -> None:
-    """`accelerator.backward(loss)` without the optimizer step accelerate's DeepSpeed backward also runs, so a
-    loop has separate backward and optimizer phases (with `optimizer_step`); the same calls in the same order."""
-    engine = deepspeed_engine(accelerator)
-    if engine is None:
-        accelerator.backward(loss)
-        return
-    engine.set_gradient_accumulation_boundary(is_boundary=accelerator.sync_gradients)
-    engine.backward(loss)
-
-
-def optimizer_step(accelerator, optimizer) -> None:
-    """optimizer.step() + zero_grad() (skipped by accelerate between accumulation boundaries); DeepSpeed's step."""
-    engine = deepspeed_engine(accelerator)
-    if engine is None:
-        optimizer.step()
-        optimizer.zero_grad()
-    elif accelerator.sync_gradients:
-        engine.step()
 
 
 def adamw_impl(optimizer) -> str:
@@ -291,9 +266,9 @@ def ddp_bucket_bytes(model) -> int:
 def predict(config, r: dict) -> dict:
     """The plan's traced prediction (`hfscale.plan.peak.step_prediction`) for what rank report `r` ran;
     {"error": why} where the trace refuses."""
-    from .errors import HfscaleError
-    from .plan.peak import step_prediction
-    from .plan.trace import ADAMW
+    from ..util.errors import HfscaleError
+    from .peak import step_prediction
+    from .trace import ADAMW
 
     precision = {"fp16": "bf16"}.get(r["precision"], r["precision"])  # same bytes per element
     adamw = r["adamw"] if r["adamw"] in ADAMW else "fused"  # DeepSpeed's own optimizers step in place, like fused
@@ -309,11 +284,9 @@ def predict(config, r: dict) -> dict:
 def write_report(directory: str | os.PathLike, reports: list[dict], config, title: str) -> list[dict]:
     """profile.json (per rank: measured, predicted, error) and timeline.png into `directory` from the rank
     reports; `config` None skips the prediction. Returns the per-rank rows."""
-    import sys
-
-    from .atomic import write_text_atomic
-    from .extras import installed, line
-    from .plan.plot import plot_timeline
+    from ..util.atomic import write_text_atomic
+    from ..util.extras import installed, line
+    from .plot import plot_timeline
 
     preds = {r["rank"]: None if config is None else predict(config, r) for r in reports}  # ranks differ (ZeRO-2)
     rows = []
@@ -346,71 +319,3 @@ def write_report(directory: str | os.PathLike, reports: list[dict], config, titl
     plot_timeline(reports, str(Path(directory) / "timeline.png"), title,
                   predicted={k: p["peak"] for k, p in preds.items() if p and "peak" in p})
     return rows
-
-
-# --- the worker: one rank of `accelerate launch -m hfscale.profile` (or a plain process) ------------
-
-
-def _parse(argv):
-    from .hosts import PRECISION_CHOICES
-
-    p = argparse.ArgumentParser(prog="python -m hfscale.profile", description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="directory for rank{R}.json")
-    p.add_argument("--model", default="tiny-gemma3")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--checkpointing", default="off")
-    p.add_argument("--precision", default="launch", choices=PRECISION_CHOICES)
-    return p.parse_args(argv)
-
-
-def run(args) -> RankProfile:
-    import torch
-
-    from .checkpointing import apply_checkpointing_
-    from .hosts import bf16_support, resolve_precision
-    from .models import build_model, load_config
-    from .scale.runtime import make_accelerator, make_optimizer, read_launch, set_deepspeed_micro_batch
-
-    launched = read_launch(os.environ)
-    choice = resolve_precision(args.precision, launched.precision, bf16_support("cpu" if launched.on_cpu else "cuda"),
-                               what=args.model)
-    accelerator = make_accelerator(precision=choice.precision if choice.overridden else None)
-    set_deepspeed_micro_batch(accelerator, args.micro_batch)
-    config = load_config(args.model)
-    model = build_model(args.model, seed=0)
-    apply_checkpointing_(model, args.checkpointing, launched.fsdp_checkpoints_all)
-    optimizer = make_optimizer(accelerator, model, lr=1e-4)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    g = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(accelerator.device)
-    model.train()
-    prof = MemoryProfiler(model, optimizer, deepspeed_engine(accelerator))
-    for step in range(1, args.steps + 1):
-        with prof.phase("forward", step):
-            loss = model(input_ids=ids, labels=ids).loss
-        with prof.phase("backward", step):
-            backward(accelerator, loss)
-        del loss
-        with prof.phase("optimizer", step):
-            optimizer_step(accelerator, optimizer)
-    return prof.result(accelerator, optimizer, args.model, args.micro_batch, args.seq_len, args.checkpointing,
-                       choice.precision, snapshot_dir=args.out)
-
-
-def main(argv=None) -> int:
-    from .atomic import write_text_atomic
-    from .quiet import quiet_unless_verbose
-
-    quiet_unless_verbose()  # a launched rank: HFSCALE_VERBOSE=1 (hfscale --verbose) shows the notices
-    args = _parse(argv)
-    prof = run(args)
-    write_text_atomic(Path(args.out) / f"rank{prof.rank}.json", json.dumps(prof.to_dict()))
-    return 0
-
-
-if __name__ == "__main__":  # a launched rank: its report is written; skip the teardown race (exit_rank)
-    from hfscale.scale.runtime import exit_rank
-
-    exit_rank(main())

@@ -9,7 +9,7 @@ import re
 import shlex
 from typing import Mapping
 
-from .errors import HfscaleError
+from ..util.errors import HfscaleError
 
 # a hostlist part: name, or name[ranges]suffix (brackets balanced, no nesting)
 _BRACKETED = re.compile(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)")

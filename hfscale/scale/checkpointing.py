@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from .errors import ConfigError
+from ..util.errors import ConfigError
 
 
 def parse_checkpointing(value: str) -> tuple[str, int]:

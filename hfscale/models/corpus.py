@@ -10,13 +10,13 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from .errors import HfscaleError, first_line
+from ..util.errors import HfscaleError, first_line
 
 BUILTIN_CORPUS = "builtin"
 
 
 def corpus_files() -> dict[str, str]:
-    root = Path(str(resources.files("hfscale") / "data" / "corpus"))
+    root = Path(str(resources.files("hfscale.models") / "data" / "corpus"))
     return {"train": str(root / "train.jsonl.gz"), "validation": str(root / "validation.jsonl.gz")}
 
 

@@ -1,8 +1,8 @@
 """Prove sequence or tensor parallelism on the real engine, from inside the ranks, against the same model run
 whole in the same process (the 1-process reference: same seed, same data, no distribution).
 
-    accelerate launch --config_file sp2.yaml -m hfscale.parallel_proof --out proof/ --mode sp --seq-len 256
-    accelerate launch --config_file tp2.yaml -m hfscale.parallel_proof --out proof/ --mode tp
+    accelerate launch --config_file sp2.yaml -m hfscale.proofs.parallel --out proof/ --mode sp --seq-len 256
+    accelerate launch --config_file tp2.yaml -m hfscale.proofs.parallel --out proof/ --mode tp
 
 sp (DeepSpeed Ulysses through accelerate's parallelism_config): each rank reports which tokens of each sequence
   it held, its logits against the reference's logits for those positions, the SP loss against the reference
@@ -19,28 +19,27 @@ import argparse
 import copy
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m hfscale.parallel_proof", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m hfscale.proofs.parallel", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--mode", choices=["sp", "tp"], required=True)
     p.add_argument("--seq-len", type=int, default=256, help="longer than the tiny model's sliding window (64)")
     p.add_argument("--sequences", type=int, default=2, help="sequences in the global batch (sp: per rank, accumulated)")
     p.add_argument("--window-sdpa", action="store_true", help="sp: hfscale.scale.ulysses.use_window_sdpa before prepare")
-    p.add_argument("--gemma4", action="store_true", help="sp: then the small Gemma 4 (hfscale.models.tiny_gemma4_config: "
+    p.add_argument("--gemma4", action="store_true", help="sp: then the small Gemma 4 (hfscale.models.builtin.tiny_gemma4_config: "
                    "head shapes differ by layer) over the same SP group through hfscale.scale.ulysses.per_shape_attention")
     p.add_argument("--steps", type=int, default=1, help="optimizer steps timed for tokens/s (the first is compared)")
-    p.add_argument("--precision", default="fp32", help="accepted for hfscale.proof.launch; the proof runs fp32")
+    p.add_argument("--precision", default="fp32", help="accepted for hfscale.proofs.engine.launch; the proof runs fp32")
     return p.parse_args(argv)
 
 
 def _data(seq_len: int, n: int):
-    from .corpus import load_text, packed_blocks
-    from .models import load_tokenizer
+    from ..models.corpus import load_text, packed_blocks
+    from ..models.builtin import load_tokenizer
 
     blocks = packed_blocks(load_tokenizer("tiny-gemma3"), load_text()["train"]["text"][:600], seq_len)
     if len(blocks) < n:
@@ -52,7 +51,7 @@ def _model(config_fn=None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import tiny_config
+    from ..models.builtin import tiny_config
 
     cfg = (config_fn or tiny_config)()
     cfg._attn_implementation = "sdpa"
@@ -62,7 +61,7 @@ def _model(config_fn=None):
 
 def _reference(model, ids):
     """Loss (mean over every next-token of every sequence), logits and gradients of the whole model, one process."""
-    from .plan.measure import SavedBytes
+    from ..plan.measure import SavedBytes
 
     with SavedBytes(model) as sb:
         out = model(input_ids=ids[:1], labels=ids[:1])
@@ -87,15 +86,15 @@ def run_sp(args) -> dict:
     from deepspeed.utils import groups, safe_get_full_grad
     from torch.utils.data import DataLoader
 
-    from .scale.runtime import make_accelerator
-    from .scale.ulysses import sp_loss, use_window_sdpa, with_position_ids
-    from .plan.measure import SavedBytes
+    from ..scale.runtime import make_accelerator
+    from ..scale.ulysses import sp_loss, use_window_sdpa, with_position_ids
+    from ..plan.measure import SavedBytes
 
     ids = _data(args.seq_len, args.sequences)
     model = _model()
     ref = _reference(copy.deepcopy(model), ids)
     if args.gemma4:  # built before prepare: ZeRO-3's prepare makes later from_config calls partition their weights
-        from .models import tiny_gemma4_config
+        from ..models.builtin import tiny_gemma4_config
 
         g4 = _model(tiny_gemma4_config)
         g4_ref = _reference(copy.deepcopy(g4), ids)
@@ -173,7 +172,7 @@ def _gemma4_sp(model, ref, ids, group) -> dict:
     group (each rank's backward carries the group's loss through sp_loss's all-reduce, hence / sp) with its."""
     import torch
     import torch.distributed as dist
-    from .scale.ulysses import install_per_shape_attention, sp_loss, use_window_sdpa
+    from ..scale.ulysses import install_per_shape_attention, sp_loss, use_window_sdpa
 
     fn = install_per_shape_attention("sdpa", use_window_sdpa(), group, 1)
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -249,7 +248,7 @@ def run_tp(args) -> dict:
 def main(argv=None) -> int:
     args = _parse(argv)
     report = run_sp(args) if args.mode == "sp" else run_tp(args)
-    from .atomic import write_text_atomic
+    from ..util.atomic import write_text_atomic
 
     write_text_atomic(Path(args.out) / f"rank{report['rank']}.json", json.dumps(report, indent=1))
     return 0

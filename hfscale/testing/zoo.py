@@ -23,7 +23,7 @@ def _make(cls_name: str, **extra):
 
 
 def _gemma3():
-    from ..models import tiny_config
+    from ..models.builtin import tiny_config
 
     return tiny_config()
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .trained import cached_dir, fit
+
 S, F = "sliding_attention", "full_attention"
 
 
@@ -19,7 +21,7 @@ def tiny_moe_config(**overrides):
     """A Gemma4TextConfig from the 26B-A4B dimension file with small sizes; `overrides` win."""
     from transformers import Gemma4TextConfig
 
-    from ..models import dimension_configs
+    from ..models.builtin import dimension_configs
 
     data = json.loads(dimension_configs()["gemma-4-26b-a4b"].read_text())
     data = {k: v for k, v in data.items() if k not in ("model_type", "architectures")}
@@ -37,8 +39,8 @@ def build_tiny_moe(out, config=None, steps: int = 0, seed: int = 0, jitter: bool
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..corpus import load_text, packed_blocks
-    from ..models import TINY, load_tokenizer
+    from ..models.corpus import load_text, packed_blocks
+    from ..models.builtin import TINY, load_tokenizer
 
     cfg = config or tiny_moe_config()
     tok = load_tokenizer(TINY)
@@ -55,13 +57,7 @@ def build_tiny_moe(out, config=None, steps: int = 0, seed: int = 0, jitter: bool
                     b.fill_(0.5 + torch.rand(1, generator=g).item())
     if steps:
         blocks = packed_blocks(tok, load_text()["train"]["text"], 128)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-        model.train()
-        for _ in range(steps):
-            batch = blocks[torch.randint(len(blocks), (8,), generator=g)]
-            model(input_ids=batch, labels=batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        fit(model, lambda _: blocks[torch.randint(len(blocks), (8,), generator=g)], steps, 3e-3)
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -73,14 +69,7 @@ def cached_tiny_moe(steps: int = 30, seed: int = 0, cache=None, **overrides) -> 
     (keyed by the config and recipe) and reused: tests and benchmarks share one trained copy."""
     import hashlib
 
-    from ..atomic import staged
-    from ..pretrained import cache_root
-
     cfg = tiny_moe_config(**overrides)
     key = hashlib.sha256(json.dumps([cfg.to_dict(), steps, seed], sort_keys=True, default=str).encode()).hexdigest()[:12]
-    out = (Path(cache) if cache is not None else cache_root()) / f"tiny-gemma4-moe-{key}"
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with staged(out, directory=True) as tmp:
-            build_tiny_moe(tmp, cfg, steps=steps, seed=seed)
-    return str(out)
+    return str(cached_dir("tiny-gemma4-moe", key, lambda tmp: build_tiny_moe(tmp, cfg, steps=steps, seed=seed),
+                          "config.json", cache))

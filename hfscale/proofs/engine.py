@@ -1,7 +1,7 @@
 """Prove a scale config on the real engine: a short training of a model under `accelerate launch`,
 with each rank reporting what it actually holds.
 
-    accelerate launch --config_file accelerate_configs/zero3.yaml -m hfscale.proof --out proof/
+    accelerate launch --config_file accelerate_configs/zero3.yaml -m hfscale.proofs.engine --out proof/
     hfscale prove --config accelerate_configs/zero3.yaml        # launches the above, then checks
 
 Each rank writes rank{R}.json: world size and rank as accelerate, torch.distributed and the engine
@@ -18,11 +18,11 @@ import os
 import sys
 from pathlib import Path
 
-from .hosts import PRECISION_CHOICES
+from ..util.hosts import PRECISION_CHOICES
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m hfscale.proof", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m hfscale.proofs.engine", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for rank{R}.json")
     p.add_argument("--model", default="tiny-gemma3")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps")
@@ -167,11 +167,11 @@ def run(args) -> dict:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
-    from .checkpointing import apply_checkpointing_
-    from .corpus import load_text, packed_blocks
-    from .models import build_model, load_tokenizer
-    from .hosts import bf16_support, resolve_precision
-    from .scale.runtime import make_accelerator, make_optimizer, read_launch
+    from ..scale.checkpointing import apply_checkpointing_
+    from ..models.corpus import load_text, packed_blocks
+    from ..models.builtin import build_model, load_tokenizer
+    from ..util.hosts import bf16_support, resolve_precision
+    from ..scale.runtime import make_accelerator, make_optimizer, read_launch
 
     launched = read_launch(os.environ)
     world = launched.world
@@ -297,12 +297,12 @@ def _logits(accelerator, model, batch):
 
 
 def main(argv=None) -> int:
-    from .quiet import quiet_unless_verbose
+    from ..util.quiet import quiet_unless_verbose
 
     quiet_unless_verbose()  # a launched rank: HFSCALE_VERBOSE=1 (hfscale --verbose) shows the notices
     args = _parse(argv)
     report = run(args)
-    from .atomic import write_text_atomic
+    from ..util.atomic import write_text_atomic
 
     rank = report["torch_rank"]
     write_text_atomic(Path(args.out) / f"rank{rank}.json", json.dumps(report, indent=1))
@@ -330,9 +330,9 @@ def free_port() -> int:
 
 def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str] | None = None,
            num_machines: int = 1, timeout: float = 900, log: str | Path | None = None,
-           precision: str = "launch", module: str = "hfscale.proof") -> list[dict]:
+           precision: str = "launch", module: str = "hfscale.proofs.engine") -> list[dict]:
     """Run the proof (or another rank worker `module` taking --out and --precision and writing
-    rank{R}.json there, e.g. hfscale.profile) under `accelerate launch --config_file config` and return
+    rank{R}.json there, e.g. hfscale.proofs.profile) under `accelerate launch --config_file config` and return
     the rank reports.
 
     precision: "launch" runs what the config says; "auto" the same except fp32 where this host
@@ -343,7 +343,7 @@ def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str
     """
     import subprocess
 
-    from .errors import HfscaleError
+    from ..util.errors import HfscaleError
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

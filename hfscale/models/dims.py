@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import HfscaleError
+from ..util.errors import HfscaleError
 
 # families whose decoder layer the activation model knows (HF implementations, counted tensor by tensor)
 GEMMA = ("gemma3_text", "gemma3")

@@ -10,13 +10,13 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from .errors import HfscaleError, first_line
+from ..util.errors import HfscaleError, first_line
 
 TINY = "tiny-gemma3"
 
 
 def tokenizer_dir() -> Path:
-    return Path(str(resources.files("hfscale") / "data" / "tokenizer"))
+    return Path(str(resources.files("hfscale.models") / "data" / "tokenizer"))
 
 
 def tiny_config():
@@ -66,7 +66,7 @@ BUILTIN = {TINY: tiny_config}
 def dimension_configs() -> dict[str, Path]:
     """Published model shapes shipped as config.json files (dimensions only, no weights), so that
     planning works offline: gemma-3-270m, -1b, -4b, -12b, -27b and gemma-4-e2b, -e4b, -31b, -26b-a4b (text decoders)."""
-    root = Path(str(resources.files("hfscale") / "data" / "models"))
+    root = Path(str(resources.files("hfscale.models") / "data" / "models"))
     return {p.stem: p for p in sorted(root.glob("*.json"))}
 
 
