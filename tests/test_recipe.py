@@ -326,25 +326,23 @@ def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2) -> float:
     return sum(losses) / len(losses)
 
 
-@pytest.mark.engine
-@pytest.mark.parametrize("config,distributed", [("ddp.yaml", "MULTI_CPU"), ("zero2.yaml", "DEEPSPEED"),
-                                                 ("zero3.yaml", "DEEPSPEED")])
-def test_recipe_trains_saves_and_reloads(tmp_path, config, distributed):
-    out = tmp_path / "run"
-    _, log = launch(config, out, "--max-steps", "6", "--save-every", "3", "--keep-last", "1")
-    assert f"DistributedType.{distributed} world 2: 2 micro × 2 accum × 2 ranks × 64 = 512 tokens/step" in log
-    train = read_records(out / "metrics.jsonl")
-    assert sorted(train) == [1, 2, 3, 4, 5, 6]
-    assert train[6]["loss"] < train[1]["loss"] - 0.3  # it learns (lr 3e-3: ~8.3 -> ~7)
-    assert all(r["peak_mem_bytes"] > 0 and r["tokens_per_s"] > 0 for r in train.values())
-    # keep_last 1: only the newest checkpoint survives, complete, nothing partial
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000006"]
-    # the consolidated save is the whole model (ZeRO-3: gathered from both ranks) and reloads
+def assert_trained_saved_reloads(out: Path, log: str, distributed: str, steps: int, keep: int, every: int):
+    """What every 2-rank run of the recipe shows (asserted on the reference runs of the elastic tests below, so no
+    launch of its own): the batch line, every step logged, the loss falls, `keep_last` complete checkpoints and
+    nothing partial, and a consolidated save (ZeRO-3: gathered from both ranks) that reloads to the live model's
+    final eval loss."""
     from hfscale.train.state import saved_numel
 
+    assert f"DistributedType.{distributed} world 2: 2 micro × 2 accum × 2 ranks × 64 = 512 tokens/step" in log
+    train = read_records(out / "metrics.jsonl")
+    assert sorted(train) == list(range(1, steps + 1))
+    assert train[steps]["loss"] < train[1]["loss"] - 0.3  # it learns (lr 3e-3: ~8.3 -> ~7 in 6 steps)
+    assert all(r["peak_mem_bytes"] > 0 and r["tokens_per_s"] > 0 for r in train.values())
+    saves = list(range(every, steps + 1, every))[-keep:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{s:08d}" for s in saves]
     assert saved_numel(out / "model")[0] == 3_001_920
     assert json.loads((out / "model" / "config.json").read_text())["use_cache"] is True  # trained without, saved for decoding
-    final = read_records(out / "metrics.jsonl", "eval")[6]
+    final = read_records(out / "metrics.jsonl", "eval")[steps]
     # live model (bf16 under DeepSpeed, autocast under DDP, ranks' shares) vs reloaded: measured
     # |delta| <= 5e-5; 1e-3 still catches a wrong or partial save (those move the loss by > 0.1)
     assert abs(eval_loss_of_saved(out / "model") - final["loss"]) < 1e-3
@@ -354,13 +352,19 @@ def test_recipe_trains_saves_and_reloads(tmp_path, config, distributed):
 def uninterrupted_run(tmp_path_factory):
     """ZeRO-2, 2 ranks, 8 steps, every checkpoint kept, the sequences each rank read recorded: (dir, records)."""
     out = tmp_path_factory.mktemp("ref") / "run"
-    launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "4", fault=f"record@{out.parent}")
-    return out, read_records(out / "metrics.jsonl")
+    _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "4", fault=f"record@{out.parent}")
+    return out, read_records(out / "metrics.jsonl"), log
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(uninterrupted_run):
     return uninterrupted_run[1]
+
+
+@pytest.mark.engine
+def test_zero2_trains_saves_and_reloads(uninterrupted_run):
+    out, _, log = uninterrupted_run
+    assert_trained_saved_reloads(out, log, "DEEPSPEED", steps=8, keep=4, every=2)
 
 
 def assert_same_trajectory(resumed: dict, reference: dict):
@@ -536,7 +540,7 @@ def test_zero2_fallback_2_to_1_sigusr1_then_1_to_2(tmp_path, uninterrupted_run):
     """From the uninterrupted ZeRO-2 run's step 2 and 4 checkpoints, step 4 bit-flipped: 1 rank falls back to step 2
     (universal: saved by 2 ranks), SIGUSR1 stops it at a step boundary with a checkpoint and status 75; 2 ranks
     resume that (universal again: saved by 1 rank) to step 8, on the uninterrupted trajectory and data."""
-    ref_out, ref = uninterrupted_run
+    ref_out, ref, _ = uninterrupted_run
     out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     for name in ("step_00000002", "step_00000004"):
         shutil.copytree(ref_out / "checkpoints" / name, ck / name)
@@ -578,7 +582,8 @@ def test_zero3_2_to_1_to_2_ranks(tmp_path):
     from hfscale.train.reshape import convert
 
     ref = tmp_path / "ref"
-    launch("zero3.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "3", fault=f"record@{tmp_path}")
+    _, log = launch("zero3.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "3", fault=f"record@{tmp_path}")
+    assert_trained_saved_reloads(ref, log, "DEEPSPEED", steps=6, keep=3, every=2)
     (tmp_path / "indices.jsonl").rename(tmp_path / "ref_indices.jsonl")
     out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     shutil.copytree(ref / "checkpoints" / "step_00000002", ck / "step_00000002")
@@ -614,20 +619,22 @@ def test_zero3_2_to_1_to_2_ranks(tmp_path):
 
 @pytest.mark.engine
 def test_ddp_2_to_1_rank(tmp_path):
-    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same sequences per step."""
+    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same sequences per step. The 2-rank
+    reference also shows the recipe trains, saves and reloads under DDP (MULTI_CPU)."""
     ref = tmp_path / "ref"
-    launch("ddp.yaml", ref, "--max-steps", "4", "--save-every", "2", "--keep-last", "2", fault=f"record@{tmp_path}")
+    _, log = launch("ddp.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "2", fault=f"record@{tmp_path}")
+    assert_trained_saved_reloads(ref, log, "MULTI_CPU", steps=6, keep=2, every=2)  # step 2's checkpoint removed
     (tmp_path / "indices.jsonl").rename(tmp_path / "ref_indices.jsonl")
     out = tmp_path / "run"
-    shutil.copytree(ref / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
-    _, log = launch("ddp.yaml", out, "--max-steps", "4", "--save-every", "2", "--resume", "latest", procs=1,
+    shutil.copytree(ref / "checkpoints" / "step_00000004", out / "checkpoints" / "step_00000004")
+    _, log = launch("ddp.yaml", out, "--max-steps", "6", "--save-every", "2", "--resume", "latest", procs=1,
                     fault=f"record@{tmp_path}")
-    assert "at step 2 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
-    assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), (3, 4))
+    assert "at step 4 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
+    assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), (5, 6))
     mine = read_indices(tmp_path)
     (tmp_path / "indices.jsonl").unlink()
     (tmp_path / "ref_indices.jsonl").rename(tmp_path / "indices.jsonl")
-    assert sorted(mine) == [3, 4] and all(mine[s] == read_indices(tmp_path)[s] for s in mine)
+    assert sorted(mine) == [5, 6] and all(mine[s] == read_indices(tmp_path)[s] for s in mine)
 
 
 @pytest.fixture
