@@ -19,9 +19,10 @@ What is traced is what this module runs, per rank without sharding (ZeRO-0 / DDP
   attention  sdpa | eager (transformers' attn_implementation); LoRA via peft on every decoder linear
   grad_accum 2+ traces two micro batches per step, so the second forward runs with gradients alive.
 
-Fidelity (CPU only): without checkpointing the trace equals a real CPU run's MemTracker numbers to the
-byte on the checked architectures; with checkpointing it is 0.1-2.2% higher in forward (cause not found;
-never lower). tests/test_trace.py checks both. CUDA's attention kernels (flash / memory-efficient) save
+Fidelity (CPU only): the trace equals a real CPU run's MemTracker numbers to the byte on the checked
+architectures, with and without checkpointing (tests/test_trace.py). It was 0.1-2.2% higher in forward with
+checkpointing until `_unpacked_rows`: without a cache transformers could not read fake position ids and built a
+B x 1 x S x S mask no real run has (which also sent CUDA's attention to the memory-efficient kernel). CUDA's attention kernels (flash / memory-efficient) save
 other tensors than CPU's: `kernels="cuda"` traces with their fake implementations (`kernels.py`; not compared
 with a GPU run); each trace says which kernels it assumes and how many attention calls took each. Allocator
 overheads (caching, fragmentation, CUDA context) are not in any traced number.
@@ -336,7 +337,8 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
     try:
         with torch.device("meta"):
             model = _build(config, precision, attention, lora_rank)
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm():
+        with (FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm(),
+              _unpacked_rows()):
             opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
                                   adamw, levers)
             counts: Counter = Counter()
@@ -405,6 +407,24 @@ def _cpu_grouped_mm():
 
     with CpuGroupedMM():
         yield
+
+
+@contextlib.contextmanager
+def _unpacked_rows():
+    """The traced rows are one sequence each (position ids 0..S-1), as transformers finds them in a real run; on fake
+    tensors it cannot read the position ids, so it assumes packed sequences and builds the whole B x 1 x S x S mask
+    (transformers.masking_utils.find_packed_sequence_indices, reached without a cache, i.e. whenever checkpointing
+    turns use_cache off): an S^2 tensor no real run has (11 TB at 3.8M tokens), and on CUDA kernels a masked
+    attention call is memory-efficient instead of flash. Under this context the check answers what it answers for
+    the trace's inputs in a real run: not packed (None)."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager
