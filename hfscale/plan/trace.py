@@ -372,6 +372,46 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
                      param_numels=[p.numel() for p in opt.params])
 
 
+def phase_trace(config, seq_len: int, precision: str = "bf16", checkpointing: str = "full", levers=None,
+                kernels: str = "cpu", micro_batch: int = 1) -> dict[str, int]:
+    """The largest activations + temporaries (no model states) of each phase of one traced micro batch, as
+    hfscale.plan.long_context.phase_bytes splits a step: "forward", "loss" (backward until the gradient reaches the
+    decoder's output) and "layers" (the rest of backward). What that per-phase model is checked against."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import copy
+
+    _check(precision, micro_batch, seq_len, 1, 0, checkpointing)
+    config = copy.deepcopy(config)
+    with torch.device("meta"):
+        model = _build(config, precision, "sdpa", 0)
+    peaks: dict[str, int] = {}
+    with (FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm(),
+          _unpacked_rows()):
+        opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
+                              levers=levers)
+
+        def decoder_out(module, args, out):
+            h = out.last_hidden_state
+            if h.requires_grad:
+                h.register_hook(lambda g: setattr(mt, "label", "layers"))
+
+        model.get_decoder().register_forward_hook(decoder_out)
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-autocast"
+                    else contextlib.nullcontext())
+        with cuda_attention() if kernels == "cuda" else contextlib.nullcontext():
+            with mt.recording() as fwd, mt, autocast:
+                mt.label = "forward"
+                loss = model(input_ids=ids, labels=ids).loss
+            with mt.recording() as bwd, mt:
+                mt.label = "loss"
+                loss.backward()
+        for smp in [*fwd, *bwd]:
+            peaks[smp.label] = max(peaks.get(smp.label, 0), smp.kinds.get("activations", 0) + smp.kinds.get("temporaries", 0))
+    return peaks
+
+
 def _grouped_mm_shape(a, b, offs) -> tuple:
     """aten._grouped_mm's output shape (its four layouts: 2-D x 3-D experts forward, 2-D x 2-D per-group weight
     gradient, 3-D x 2-D, 3-D x 3-D batched)."""
@@ -459,4 +499,5 @@ def _line(e: Exception) -> str:
     return first_line(e, limit=200)
 
 
-__all__ = ["ADAMW", "PRECISIONS", "KINDS", "PhasePeak", "StepTrace", "TraceError", "measure_steps", "trace_step"]
+__all__ = ["ADAMW", "PRECISIONS", "KINDS", "PhasePeak", "StepTrace", "TraceError", "measure_steps", "phase_trace",
+           "trace_step"]
