@@ -25,6 +25,7 @@ per-rank size (`full_size_check`: the trace at 2 and 3 layers, extrapolated to 3
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -161,9 +162,10 @@ def frontier() -> list[dict]:
 
 
 def full_size_check() -> list[dict]:
-    """plan.long_context.phase_bytes (no offload: the trace cannot move tensors to a host) against the fake-tensor
-    trace of the same per-rank step, Llama-3.1-8B, bf16, CUDA's attention kernels, full checkpointing, ALST's
-    slices: non-state bytes (activations + temporaries) per phase, the trace's at 2 and 3 layers extrapolated."""
+    """plan.long_context.phase_bytes against the fake-tensor trace of the same per-rank step (trace.phase_trace),
+    Llama-3.1-8B, bf16, CUDA's attention kernels, full checkpointing, ALST's slices, with and without the activation
+    offload (traced as save_on_cpu moves tensors off a GPU, trace._FakeHost): non-state bytes (activations +
+    temporaries) per phase, the trace's at 2 and 3 layers extrapolated."""
     import torch
     from transformers import LlamaConfig
 
@@ -174,20 +176,23 @@ def full_size_check() -> list[dict]:
     from hfscale.plan.trace import phase_trace
 
     rows = []
-    for tokens, where in ((524288, "1 x 80 GB, 524,288"), (475136, "8 x 80 GB SP8 at 3,801,088 (and SP32 at 15.2M)")):
+    for (tokens, where), offload in itertools.product(((524288, "1 x 80 GB, 524,288"),
+                                                       (475136, "8 x 80 GB SP8 at 3,801,088 (and SP32 at 15.2M)")),
+                                                      (False, True)):
         traced = {}
         for L in (2, 3):
             cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=L,
                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                               max_position_embeddings=2 * tokens)
             s = Strategy(checkpointing="full", seq_len=tokens)
-            lv = alst_levers(dims_from_config(cfg), s, offload=False)
+            lv = alst_levers(dims_from_config(cfg), s, offload=offload)
             traced[L] = phase_trace(cfg, tokens, "bf16", "full", lv, kernels="cuda")
         cfg.num_hidden_layers = 32
         d = dims_from_config(cfg)
         planned = {k: sum(v.values()) for k, v in phase_bytes(d, Strategy(checkpointing="full", seq_len=tokens), lv).items()}
         full = {k: traced[2][k] + 30 * (traced[3][k] - traced[2][k]) for k in traced[2]}
-        rows.append({"tokens_per_rank": tokens, "where": where, "levers": [lv.tiled_loss, lv.tiled_mlp], "traced": full,
+        rows.append({"tokens_per_rank": tokens, "where": where, "levers": [lv.tiled_loss, lv.tiled_mlp],
+                     "offload": offload, "traced": full,
                      "planned": planned})
     return rows
 
@@ -324,17 +329,17 @@ def render(res: dict) -> str:
     if res.get("full_size_check"):
         L += ["", "## The per-phase model against the fake-tensor trace at full size (Llama-3.1-8B, per rank)", "",
               "Non-state device bytes (activations + temporaries) per phase, GB: the trace (transformers' own code on fake "
-              "tensors, CUDA's flash attention, the tiled loss and MLP run for real; at 2 and 3 layers, extrapolated to "
-              "32) against `phase_bytes`. No activation offload (the trace cannot move tensors to a host: with it the 32 "
-              "layer inputs, 2 bytes x h per token each in bf16, leave the GPU and one comes back) and no Ulysses "
-              "(one process: its all-to-all buffers are counted by formula, in attention's phase).", "",
-              "| tokens per rank | planned case | loss / MLP slices | phase | traced GB | planned GB | error |",
-              "|---|---|---|---|---|---|---|"]
+              "tensors, CUDA's flash attention, the tiled loss and MLP run for real, the activation offload as "
+              "save_on_cpu moves tensors off a GPU; at 2 and 3 layers, extrapolated to 32) against `phase_bytes`. No "
+              "Ulysses (one process: its all-to-all buffers are counted by formula, in attention's backward).", "",
+              "| tokens per rank | planned case | loss / MLP slices | offload | phase | traced GB | planned GB | error |",
+              "|---|---|---|---|---|---|---|---|"]
         names = {"forward": "forward", "loss": "loss", "layer_backward": "layers"}
         for c in res["full_size_check"]:
             for ph, tk in names.items():
                 tr, pl = c["traced"][tk], c["planned"][ph]
-                L.append(f"| {c['tokens_per_rank']:,} | {c['where']} | {c['levers'][0]} / {c['levers'][1]} | {ph} | "
+                L.append(f"| {c['tokens_per_rank']:,} | {c['where']} | {c['levers'][0]} / {c['levers'][1]} | "
+                         f"{'yes' if c.get('offload') else 'no'} | {ph} | "
                          f"{tr / 1e9:.2f} | {pl / 1e9:.2f} | {(pl - tr) / tr:+.2%} |")
     return "\n".join(L) + "\n"
 

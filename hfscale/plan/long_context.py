@@ -11,8 +11,9 @@ tokens, e = 2 (bf16) / 4 (fp32) bytes, V vocabulary, I MLP width, h hidden, n sl
 The device peak is per phase (`phase_bytes`): the model states left on the GPU plus the largest of forward, the
 loss's backward and a layer's recomputed backward, which are never alive at once (the loss's slices are gone before
 the first layer's backward; Ulysses' all-to-all buffers exist only inside attention). Measured against the trace at
-Llama-3.1-8B's full per-rank size: loss and layer backward within +1% (bounds), forward a loose bound (never the
-largest with full checkpointing); tiny Gemma 3 / Gemma 4 in benchmarks/results/long_context.md.
+Llama-3.1-8B's full per-rank size: loss and layer backward +0.2% to +5.7% (bounds; the larger with the offload),
+forward a loose bound (never the largest with full checkpointing); tiny Gemma 3 / Gemma 4 in docs/long_context.md
+(Gemma 4's layer backward is counted 16% under the trace of the tiny model).
 
   tiled logits + loss (n = loss tiles): the saved fp32 log-softmax 4TV (and Gemma's eTV soft-cap output) is
     gone; one slice's working set takes its place in the loss phase, lm_head output + fp32 copy + log-softmax +

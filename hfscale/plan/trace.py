@@ -372,11 +372,38 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
                      param_numels=[p.numel() for p in opt.params])
 
 
+class _FakeHost:
+    """save_on_cpu's hooks as a GPU run sees them, for the trace: pack keeps only the shape and dtype (the tensor
+    leaves the traced device when nothing else holds it), unpack makes a new tensor of that shape (the copy back)."""
+
+    @staticmethod
+    def pack_hook(t):
+        return tuple(t.shape), t.dtype
+
+    @staticmethod
+    def unpack_hook(packed):
+        import torch
+
+        return torch.empty(packed[0], dtype=packed[1])
+
+
+def _offloaded(model, levers):
+    """The forward's context for `levers`: the activation offload (`scale.long_context.Offload` over `_FakeHost`)
+    or nothing."""
+    if levers is None or not levers.offload_activations:
+        return contextlib.nullcontext()
+    from ..scale.long_context import Offload
+
+    return Offload(model, host=_FakeHost())()
+
+
 def phase_trace(config, seq_len: int, precision: str = "bf16", checkpointing: str = "full", levers=None,
                 kernels: str = "cpu", micro_batch: int = 1) -> dict[str, int]:
     """The largest activations + temporaries (no model states) of each phase of one traced micro batch, as
     hfscale.plan.long_context.phase_bytes splits a step: "forward", "loss" (backward until the gradient reaches the
-    decoder's output) and "layers" (the rest of backward). What that per-phase model is checked against."""
+    decoder's output) and "layers" (the rest of backward). What that per-phase model is checked against. With
+    `levers.offload_activations` the saved tensors leave the traced device in forward and come back when backward
+    unpacks them (`_FakeHost`), as torch's save_on_cpu moves them off a GPU."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -401,7 +428,7 @@ def phase_trace(config, seq_len: int, precision: str = "bf16", checkpointing: st
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-autocast"
                     else contextlib.nullcontext())
         with cuda_attention() if kernels == "cuda" else contextlib.nullcontext():
-            with mt.recording() as fwd, mt, autocast:
+            with mt.recording() as fwd, mt, autocast, _offloaded(model, levers):
                 mt.label = "forward"
                 loss = model(input_ids=ids, labels=ids).loss
             with mt.recording() as bwd, mt:
