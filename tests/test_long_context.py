@@ -140,7 +140,7 @@ def test_plan_llama_8b_with_the_levers_is_the_largest_phase_not_the_sum():
     GPU plus the largest phase (the loss's slices, a layer's recomputed backward and Ulysses' buffers are never
     alive at once; the earlier plan summed them). At 524,288 tokens the largest is a layer's backward, whose RMSNorm
     backward holds four fp32 [T x h] temporaries (the fake-tensor trace names them: pow, div, mul, mul.Scalar):
-    105.5 GB per GPU, so ALST's 500K does not fit with HF's eager RMSNorm; 385,024 tokens do."""
+    105.9 GB per GPU, so ALST's 500K does not fit with HF's eager RMSNorm; 385,024 tokens do."""
     from dataclasses import replace
 
     from hfscale.plan.long_context import NORM_TEMPS, alst_levers, fits, lever_prediction, longest_sequence
@@ -171,8 +171,8 @@ def test_phase_model_bounds_the_fake_trace_of_each_phase():
     attention, the tiled loss and MLP run for real; the trace equals MemTracker on real CPU steps) on a small Llama
     shaped like Llama-3.1-8B (MLP 3.5 x hidden, 4 query heads per K/V head), bf16, full checkpointing, 8,192 tokens,
     with and without the activation offload (traced as save_on_cpu moves tensors off a GPU): each phase planned at or
-    above the traced one. Measured here: forward +76% / +94%, loss +12% / +14%, layers +6.6% / +12%; at
-    Llama-3.1-8B's full per-rank size (benchmarks/results/long_context.md) loss and layers +0.2% to +5.7%."""
+    above the traced one. Measured here: forward +79% / +97%, loss +15% / +18%, layers +9.4% / +15%; at
+    Llama-3.1-8B's full per-rank size (benchmarks/results/long_context.md) +0.5% to +12%."""
     from transformers import LlamaConfig
 
     from hfscale.plan.dims import dims_from_config
@@ -189,7 +189,7 @@ def test_phase_model_bounds_the_fake_trace_of_each_phase():
         traced = phase_trace(cfg, 8192, "bf16", "full", levers, kernels="cuda")
         planned = {k: sum(v.values()) for k, v in
                    phase_bytes(dims_from_config(cfg), Strategy(seq_len=8192, checkpointing="full"), levers).items()}
-        for ph, tk, most in (("forward", "forward", 1.0), ("loss", "loss", 0.2), ("layer_backward", "layers", 0.15)):
+        for ph, tk, most in (("forward", "forward", 1.0), ("loss", "loss", 0.25), ("layer_backward", "layers", 0.2)):
             assert traced[tk] <= planned[ph] <= (1 + most) * traced[tk], (offload, ph, traced[tk], planned[ph])
         layers[offload] = traced["layers"]
     assert layers[True] < layers[False] - 8192 * 512 * 2  # the layer inputs left the traced device

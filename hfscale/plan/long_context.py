@@ -11,9 +11,9 @@ tokens, e = 2 (bf16) / 4 (fp32) bytes, V vocabulary, I MLP width, h hidden, n sl
 The device peak is per phase (`phase_bytes`): the model states left on the GPU plus the largest of forward, the
 loss's backward and a layer's recomputed backward, which are never alive at once (the loss's slices are gone before
 the first layer's backward; Ulysses' all-to-all buffers exist only inside attention). Measured against the trace at
-Llama-3.1-8B's full per-rank size: loss and layer backward +0.2% to +5.7% (bounds; the larger with the offload),
-forward a loose bound (never the largest with full checkpointing); tiny Gemma 3 / Gemma 4 in docs/long_context.md
-(Gemma 4's layer backward is counted 16% under the trace of the tiny model).
+Llama-3.1-8B's full per-rank size: a layer's backward +0.5% / +6% (without / with the offload), the loss's
++0.9% / +12% (bounds), forward a loose bound (never the largest with full checkpointing); the tiny Gemma 3 / Gemma 4
+with the levers bounded too (docs/long_context.md).
 
   tiled logits + loss (n = loss tiles): the saved fp32 log-softmax 4TV (and Gemma's eTV soft-cap output) is
     gone; one slice's working set takes its place in the loss phase, lm_head output + fp32 copy + log-softmax +
@@ -103,17 +103,21 @@ def phase_bytes(d: Dims, s: Strategy, levers) -> dict:
                       saved set while it runs, and the logits' saved log-softmax (untiled) or one loss slice.
       loss            backward of the loss, before any layer's: the same inputs and head, the logits' saved
                       log-softmax and (untiled) the lm_head output, its fp32 copy and the fp32 gradients,
-                      (e + 8)·T·V, or one slice's recomputed lm_head output + fp32 copy + log-softmax + gradient
-                      (e + 12)·t·V with the hidden states' gradient e·T·h the tiled op fills.
+                      (e + 8)·T·V, or (tiled) one slice's recomputed lm_head output + fp32 copy + log-softmax +
+                      gradient (e + 12)·t·V, the hidden states' gradient e·T·h the tiled op fills, and the slice's
+                      [V x h] lm_head gradient, which it adds to the parameter's.
       layer_backward  the top layer's backward (all inputs below it still saved; with the offload one reloaded
                       input e·T·h), the tiled loss's hidden states and labels (held on its autograd node until the
                       step's graph is freed: e·T·h + 8T), the layer's recomputed saved set (`recompute_working`;
-                      tiled MLP: without its [T x I] intermediates, with one slice's and their gradients), and
-                      the larger of two transients: an RMSNorm's backward (every family here upcasts to fp32:
-                      autograd's pow / mean / rsqrt / mul chain holds NORM_TEMPS fp32 [T x h] tensors at once, beside
-                      the incoming gradient e·T·h; counted from the trace: pow, div, mul, mul.Scalar outputs, Llama
-                      and Gemma alike; an untiled MLP's backward, e·T·h + 3e·T·I, where larger) and attention's backward (the incoming and residual gradients 2e·T·h, the
-                      query / key / value gradients, and Ulysses' all-to-all buffers, `parallel.parallel_buffers`).
+                      tiled MLP: without its [T x I] intermediates, with one slice's and their gradients, and one
+                      MLP's weight gradients, which TiledMLP adds slice by slice), and the largest of the transients:
+                      the widest RMSNorm's backward (every family here upcasts to fp32: autograd's pow / mean /
+                      rsqrt / mul chain holds NORM_TEMPS fp32 copies of its input at once, beside the incoming
+                      gradient; counted from the trace: pow, div, mul, mul.Scalar outputs; the input is [T x h], or
+                      Gemma's q_norm over all query heads [T x q x d]), an untiled MLP's backward (e·T·h + 4e·T·I +
+                      its weights' gradients) where larger, and attention's backward (the incoming and residual
+                      gradients 2e·T·h, the query / key / value gradients, Ulysses' all-to-all buffers,
+                      `parallel.parallel_buffers`).
     A bound: the recomputed saved set is counted whole although the backward has freed part of it at either
     transient's peak; benchmarks/long_context.py states the error against the trace at full size."""
     from ..checkpointing import checkpointed_layers
@@ -135,12 +139,16 @@ def phase_bytes(d: Dims, s: Strategy, levers) -> dict:
         else:
             inputs -= sum(per)
         saved += 2 * max(_mlp_bytes(d, t_mlp, e))
+        # TiledMLP's backward also adds each slice's weight gradients to the parameters': one MLP's worth alive
+        saved += e * 3 * d.hidden * max(ld.intermediate for ld in d.layers_dims())
     V = d.vocab
     if levers.tiled_loss:
         t = math.ceil(T / levers.tiled_loss)
         slice_bytes = (e + 12) * t * V
         kept = U + 8 * T
-        loss = {"loss_slice": slice_bytes, "hidden_gradient": U}
+        # sequence_tiled_compute runs one backward per slice and adds each slice's lm_head weight gradient to the
+        # parameter's: one [V x h] partial gradient alive at a time
+        loss = {"loss_slice": slice_bytes, "hidden_gradient": U, "lm_head_gradient_slice": e * V * d.hidden}
         fwd_loss = {"loss_slice": slice_bytes}
     else:
         kept = 0  # the saved log-softmax (+ Gemma's soft-cap output), and the lm_head output, its fp32 copy and
@@ -150,11 +158,13 @@ def phase_bytes(d: Dims, s: Strategy, levers) -> dict:
     heads = d.heads * max(ld.head_dim for ld in d.layers_dims())
     kv = max(ld.kv_heads * ld.head_dim for ld in d.layers_dims())
     sp = sum(parallel_buffers(d, s).values())
-    norm = NORM_TEMPS * 4 * T * d.hidden + U
+    # the widest RMSNorm: the hidden one, or Gemma's per-head q_norm over all query heads at once ([T x q x d])
+    width = max(d.hidden, *(d.heads * ld.head_dim for ld in d.layers_dims())) if d.family != "llama" else d.hidden
+    norm = NORM_TEMPS * 4 * T * width + e * T * width
     attn = 2 * U + e * T * (heads + 2 * kv) + sp
-    if not levers.tiled_mlp:  # the MLP's backward: its incoming gradient and the gradients of its [T x I] tensors
-        widest = max(ld.intermediate for ld in d.layers_dims())
-        norm = max(norm, U + 3 * e * T * widest)
+    if not levers.tiled_mlp:  # the MLP's backward: its incoming gradient, the gradients of its four [T x I] tensors
+        widest = max(ld.intermediate for ld in d.layers_dims())  # (gate, activation, up, product) and its weights'
+        norm = max(norm, U + 4 * e * T * widest + 3 * e * d.hidden * widest)
     # with the offload every saved tensor outside the recomputed layer is in host memory but the tiled loss's
     resident = ({"loss_kept_hidden": kept} if levers.offload_activations else {"layer_inputs": inputs, "head": act["head"]})
     # Gemma 4 counts the embedding output (layer 0's input) in the head, not in the layers: alive until layer 0's backward
