@@ -239,9 +239,14 @@ def planned_only() -> int:
     """--planned: the planned tables again, into the written results; the measured rows stay as they are."""
     from hfscale.atomic import write_text_atomic
 
+    import torch
+
+    t0 = time.time()
     res = json.loads((OUT / "long_context.json").read_text())
     res["frontier"] = frontier()
     res["full_size_check"] = full_size_check()
+    res["planned"] = {"seconds": round(time.time() - t0), "torch": torch.__version__,
+                      "host": f"{platform.node()}, {os.cpu_count()} cores shared with other jobs"}
     write_text_atomic(OUT / "long_context.json", json.dumps(res, indent=1))
     write_text_atomic(OUT / "long_context.md", render(res))
     print(render(res))
@@ -315,6 +320,10 @@ def render(res: dict) -> str:
         t, c = r["tokens_per_s"], r.get("tokens_per_cpu_s")
         cpu = f"{c['plain']:.0f} | {c['lever']:.0f} | {c['lever'] / c['plain']:.2f}" if c else "- | - | -"
         L.append(f"| {r['lever']} | {r['seq']} | {t['plain']:.0f} | {t['lever']:.0f} | {t['lever'] / t['plain']:.2f} | {cpu} |")
+    if res.get("planned"):
+        L += ["", f"The planned sections below were regenerated alone (`--planned`: {res['planned']['host']}; torch "
+                  f"{res['planned']['torch']}; {res['planned']['seconds']} s); the measured ones above are from the run "
+                  "the header names."]
     L += ["", "## Longest sequence planned (analytic, bf16, full checkpointing, ZeRO-3 with cpu offload, all three levers)", "",
           "Per-GPU = the model states left on the GPU + the largest phase of hfscale.plan.long_context.phase_bytes "
           "(forward, the loss's backward, a layer's recomputed backward: not alive at once), x 1.1 fragmentation + 0.5 GiB "
