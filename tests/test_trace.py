@@ -40,7 +40,7 @@ def test_fake_trace_equals_real_steps(row, exact):
 
 def test_checkpointed_llama_traces_flash_attention_without_a_mask():
     """A checkpointed step has no cache, and transformers then checks the position ids for packed sequences, which
-    fake tensors cannot answer: the trace built a B x 1 x S x S mask (11 TB at 3.8M tokens) and, with CUDA's kernels,
+    fake tensors cannot answer: the trace built a B x 1 x S x S mask (14.4 TB at 3.8M tokens) and, with CUDA's kernels,
     sent every attention call to the memory-efficient kernel. A real run's rows are unpacked: flash, no mask, and
     the forward peak grows linearly in S (was 120.8 -> 62.8 MiB at 4,096 tokens; an S^2 term quadruples)."""
     from transformers import LlamaConfig

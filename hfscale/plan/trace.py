@@ -481,7 +481,7 @@ def _unpacked_rows():
     """The traced rows are one sequence each (position ids 0..S-1), as transformers finds them in a real run; on fake
     tensors it cannot read the position ids, so it assumes packed sequences and builds the whole B x 1 x S x S mask
     (transformers.masking_utils.find_packed_sequence_indices, reached without a cache, i.e. whenever checkpointing
-    turns use_cache off): an S^2 tensor no real run has (11 TB at 3.8M tokens), and on CUDA kernels a masked
+    turns use_cache off): an S^2 tensor no real run has (14.4 TB of bool at 3.8M tokens), and on CUDA kernels a masked
     attention call is memory-efficient instead of flash. Under this context the check answers what it answers for
     the trace's inputs in a real run: not packed (None)."""
     from transformers import masking_utils
