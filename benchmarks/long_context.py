@@ -4,6 +4,8 @@ step peak measured by torch's MemTracker against the plan, and tokens/s with and
     .venv/bin/python benchmarks/long_context.py           # -> benchmarks/results/long_context.{md,json}
     .venv/bin/python benchmarks/long_context.py --redo tiled_loss          # those rows again, into the same files
     .venv/bin/python benchmarks/long_context.py --speed tiled_mlp offload  # only their tokens/s
+    .venv/bin/python benchmarks/long_context.py --planned   # only the planned tables (no CPU measurement, ~2 min):
+                                                            # the measured sections already in the results stay
 
 Rows: the built-in tiny Gemma 3 (vocabulary 4,096, MLP 768), one process, fp32, micro batch 1, sdpa.
   measured  `trace.measure_steps(levers=...)`: a real steady step (step 2) under MemTracker, each in a fresh
@@ -17,11 +19,13 @@ Rows: the built-in tiny Gemma 3 (vocabulary 4,096, MLP 768), one process, fp32, 
   tokens/s  one plain and one lever step alternated 10 times after a warm-up, no tracker; the median step per wall
             second and per CPU-second of the process; the ratio is the lever's price.
 Then the longest sequence planned per model and hardware (analytic, bf16, full checkpointing, all three levers)
-beside ALST's published numbers.
+beside ALST's published numbers, and the per-phase model against the fake-tensor trace at Llama-3.1-8B's full
+per-rank size (`full_size_check`: the trace at 2 and 3 layers, extrapolated to 32 as plan/peak.py scales depth).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -157,6 +161,42 @@ def frontier() -> list[dict]:
     return rows
 
 
+def full_size_check() -> list[dict]:
+    """plan.long_context.phase_bytes against the fake-tensor trace of the same per-rank step (trace.phase_trace),
+    Llama-3.1-8B, bf16, CUDA's attention kernels, full checkpointing, ALST's slices, with and without the activation
+    offload (traced as save_on_cpu moves tensors off a GPU, trace._FakeHost): non-state bytes (activations +
+    temporaries) per phase, the trace's at 2 and 3 layers extrapolated."""
+    import torch
+    from transformers import LlamaConfig
+
+    from hfscale.models.dims import dims_from_config
+    from hfscale.plan.kernels import cuda_attention
+    from hfscale.plan.long_context import alst_levers, phase_bytes
+    from hfscale.plan.memory import Strategy
+    from hfscale.plan.trace import phase_trace
+
+    rows = []
+    for (tokens, where), offload in itertools.product(((524288, "1 x 80 GB, 524,288"),
+                                                       (475136, "8 x 80 GB SP8 at 3,801,088 (and SP32 at 15.2M)")),
+                                                      (False, True)):
+        traced = {}
+        for L in (2, 3):
+            cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=L,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                              max_position_embeddings=2 * tokens)
+            s = Strategy(checkpointing="full", seq_len=tokens)
+            lv = alst_levers(dims_from_config(cfg), s, offload=offload)
+            traced[L] = phase_trace(cfg, tokens, "bf16", "full", lv, kernels="cuda")
+        cfg.num_hidden_layers = 32
+        d = dims_from_config(cfg)
+        planned = {k: sum(v.values()) for k, v in phase_bytes(d, Strategy(checkpointing="full", seq_len=tokens), lv).items()}
+        full = {k: traced[2][k] + 30 * (traced[3][k] - traced[2][k]) for k in traced[2]}
+        rows.append({"tokens_per_rank": tokens, "where": where, "levers": [lv.tiled_loss, lv.tiled_mlp],
+                     "offload": offload, "traced": full,
+                     "planned": planned})
+    return rows
+
+
 def _row(lever: str, seq: int, plain: dict) -> dict:
     meas = _sub("measure", lever, seq) if lever != "offload" else None
     speed = _sub("speed", lever, seq)
@@ -195,6 +235,24 @@ def rerun(levers: list[str], speed: bool) -> int:
     return 0
 
 
+def planned_only() -> int:
+    """--planned: the planned tables again, into the written results; the measured rows stay as they are."""
+    from hfscale.util.atomic import write_text_atomic
+
+    import torch
+
+    t0 = time.time()
+    res = json.loads((OUT / "long_context.json").read_text())
+    res["frontier"] = frontier()
+    res["full_size_check"] = full_size_check()
+    res["planned"] = {"seconds": round(time.time() - t0), "torch": torch.__version__,
+                      "host": f"{platform.node()}, {os.cpu_count()} cores shared with other jobs"}
+    write_text_atomic(OUT / "long_context.json", json.dumps(res, indent=1))
+    write_text_atomic(OUT / "long_context.md", render(res))
+    print(render(res))
+    return 0
+
+
 def main() -> int:
     from hfscale.util.atomic import write_text_atomic
 
@@ -209,7 +267,8 @@ def main() -> int:
     import torch
 
     host = f"{platform.node()}, {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores shared with other jobs"
-    res = {"host": host, "torch": torch.__version__, "seconds": round(time.time() - t0), "rows": rows, "frontier": front}
+    res = {"host": host, "torch": torch.__version__, "seconds": round(time.time() - t0), "rows": rows, "frontier": front,
+           "full_size_check": full_size_check()}
     OUT.mkdir(parents=True, exist_ok=True)
     write_text_atomic(OUT / "long_context.json", json.dumps(res, indent=1))
     write_text_atomic(OUT / "long_context.md", render(res))
@@ -261,15 +320,36 @@ def render(res: dict) -> str:
         t, c = r["tokens_per_s"], r.get("tokens_per_cpu_s")
         cpu = f"{c['plain']:.0f} | {c['lever']:.0f} | {c['lever'] / c['plain']:.2f}" if c else "- | - | -"
         L.append(f"| {r['lever']} | {r['seq']} | {t['plain']:.0f} | {t['lever']:.0f} | {t['lever'] / t['plain']:.2f} | {cpu} |")
+    if res.get("planned"):
+        L += ["", f"The planned sections below were regenerated alone (`--planned`: {res['planned']['host']}; torch "
+                  f"{res['planned']['torch']}; {res['planned']['seconds']} s); the measured ones above are from the run "
+                  "the header names."]
     L += ["", "## Longest sequence planned (analytic, bf16, full checkpointing, ZeRO-3 with cpu offload, all three levers)", "",
-          "Per-GPU = the analytic total x 1.1 fragmentation + 0.5 GiB CUDA context; per-host = offloaded activations + "
-          "offloaded model states of the node's ranks. Planned only: never run on GPUs here.", "",
+          "Per-GPU = the model states left on the GPU + the largest phase of hfscale.plan.long_context.phase_bytes "
+          "(forward, the loss's backward, a layer's recomputed backward: not alive at once), x 1.1 fragmentation + 0.5 GiB "
+          "CUDA context; per-host = offloaded activations + offloaded model states of the node's ranks. Planned only: "
+          "never run on GPUs here.", "",
           "| model | hardware | strategy | at | levers (loss / MLP slices) | per GPU GB | without levers | per host GB | "
           "time x | longest planned | without levers | ALST |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in res["frontier"]:
         L.append(f"| {f['model']} | {f['hardware']} | {f['strategy']} | {f['seq_len']:,} | {f['levers']['tiled_loss']} / "
                  f"{f['levers']['tiled_mlp']} | {f['gpu_gb']:.1f} | {f['gpu_gb_without']:.1f} | {f['host_gb_per_node']:.1f} | "
                  f"{f['time_factor']:.3f} | {f['longest']:,} | {f['longest_without_levers']:,} | {f['alst']} |")
+    if res.get("full_size_check"):
+        L += ["", "## The per-phase model against the fake-tensor trace at full size (Llama-3.1-8B, per rank)", "",
+              "Non-state device bytes (activations + temporaries) per phase, GB: the trace (transformers' own code on fake "
+              "tensors, CUDA's flash attention, the tiled loss and MLP run for real, the activation offload as "
+              "save_on_cpu moves tensors off a GPU; at 2 and 3 layers, extrapolated to 32) against `phase_bytes`. No "
+              "Ulysses (one process: its all-to-all buffers are counted by formula, in attention's backward).", "",
+              "| tokens per rank | planned case | loss / MLP slices | offload | phase | traced GB | planned GB | error |",
+              "|---|---|---|---|---|---|---|---|"]
+        names = {"forward": "forward", "loss": "loss", "layer_backward": "layers"}
+        for c in res["full_size_check"]:
+            for ph, tk in names.items():
+                tr, pl = c["traced"][tk], c["planned"][ph]
+                L.append(f"| {c['tokens_per_rank']:,} | {c['where']} | {c['levers'][0]} / {c['levers'][1]} | "
+                         f"{'yes' if c.get('offload') else 'no'} | {ph} | "
+                         f"{tr / 1e9:.2f} | {pl / 1e9:.2f} | {(pl - tr) / tr:+.2%} |")
     return "\n".join(L) + "\n"
 
 
@@ -277,6 +357,8 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         print(json.dumps(worker(sys.argv[2], sys.argv[3] or None, int(sys.argv[4]))))
         sys.exit(0)
+    if len(sys.argv) > 1 and sys.argv[1] == "--planned":
+        sys.exit(planned_only())
     if len(sys.argv) > 1 and sys.argv[1] in ("--redo", "--speed"):
         sys.exit(rerun(sys.argv[2:], sys.argv[1] == "--speed"))
     sys.exit(main())

@@ -19,9 +19,10 @@ What is traced is what this module runs, per rank without sharding (ZeRO-0 / DDP
   attention  sdpa | eager (transformers' attn_implementation); LoRA via peft on every decoder linear
   grad_accum 2+ traces two micro batches per step, so the second forward runs with gradients alive.
 
-Fidelity (CPU only): without checkpointing the trace equals a real CPU run's MemTracker numbers to the
-byte on the checked architectures; with checkpointing it is 0.1-2.2% higher in forward (cause not found;
-never lower). tests/test_trace.py checks both. CUDA's attention kernels (flash / memory-efficient) save
+Fidelity (CPU only): the trace equals a real CPU run's MemTracker numbers to the byte on the checked
+architectures, with and without checkpointing (tests/test_trace.py). It was 0.1-2.2% higher in forward with
+checkpointing until `_unpacked_rows`: without a cache transformers could not read fake position ids and built a
+B x 1 x S x S mask no real run has (which also sent CUDA's attention to the memory-efficient kernel). CUDA's attention kernels (flash / memory-efficient) save
 other tensors than CPU's: `kernels="cuda"` traces with their fake implementations (`kernels.py`; not compared
 with a GPU run); each trace says which kernels it assumes and how many attention calls took each. Allocator
 overheads (caching, fragmentation, CUDA context) are not in any traced number.
@@ -336,7 +337,8 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
     try:
         with torch.device("meta"):
             model = _build(config, precision, attention, lora_rank)
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm():
+        with (FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm(),
+              _unpacked_rows()):
             opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
                                   adamw, levers)
             counts: Counter = Counter()
@@ -368,6 +370,73 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
                      attention_kernels={k: v // len(micros) for k, v in counts.items()} if micros else {},
                      grad_arrivals=arrivals,
                      param_numels=[p.numel() for p in opt.params])
+
+
+class _FakeHost:
+    """save_on_cpu's hooks as a GPU run sees them, for the trace: pack keeps only the shape and dtype (the tensor
+    leaves the traced device when nothing else holds it), unpack makes a new tensor of that shape (the copy back)."""
+
+    @staticmethod
+    def pack_hook(t):
+        return tuple(t.shape), t.dtype
+
+    @staticmethod
+    def unpack_hook(packed):
+        import torch
+
+        return torch.empty(packed[0], dtype=packed[1])
+
+
+def _offloaded(model, levers):
+    """The forward's context for `levers`: the activation offload (`scale.long_context.Offload` over `_FakeHost`)
+    or nothing."""
+    if levers is None or not levers.offload_activations:
+        return contextlib.nullcontext()
+    from ..scale.long_context import Offload
+
+    return Offload(model, host=_FakeHost())()
+
+
+def phase_trace(config, seq_len: int, precision: str = "bf16", checkpointing: str = "full", levers=None,
+                kernels: str = "cpu", micro_batch: int = 1) -> dict[str, int]:
+    """The largest activations + temporaries (no model states) of each phase of one traced micro batch, as
+    hfscale.plan.long_context.phase_bytes splits a step: "forward", "loss" (backward until the gradient reaches the
+    decoder's output) and "layers" (the rest of backward). What that per-phase model is checked against. With
+    `levers.offload_activations` the saved tensors leave the traced device in forward and come back when backward
+    unpacks them (`_FakeHost`), as torch's save_on_cpu moves them off a GPU."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import copy
+
+    _check(precision, micro_batch, seq_len, 1, 0, checkpointing)
+    config = copy.deepcopy(config)
+    with torch.device("meta"):
+        model = _build(config, precision, "sdpa", 0)
+    peaks: dict[str, int] = {}
+    with (FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm(),
+          _unpacked_rows()):
+        opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
+                              levers=levers)
+
+        def decoder_out(module, args, out):
+            h = out.last_hidden_state
+            if h.requires_grad:
+                h.register_hook(lambda g: setattr(mt, "label", "layers"))
+
+        model.get_decoder().register_forward_hook(decoder_out)
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-autocast"
+                    else contextlib.nullcontext())
+        with cuda_attention() if kernels == "cuda" else contextlib.nullcontext():
+            with mt.recording() as fwd, mt, autocast, _offloaded(model, levers):
+                mt.label = "forward"
+                loss = model(input_ids=ids, labels=ids).loss
+            with mt.recording() as bwd, mt:
+                mt.label = "loss"
+                loss.backward()
+        for smp in [*fwd, *bwd]:
+            peaks[smp.label] = max(peaks.get(smp.label, 0), smp.kinds.get("activations", 0) + smp.kinds.get("temporaries", 0))
+    return peaks
 
 
 def _grouped_mm_shape(a, b, offs) -> tuple:
@@ -408,6 +477,24 @@ def _cpu_grouped_mm():
 
 
 @contextlib.contextmanager
+def _unpacked_rows():
+    """The traced rows are one sequence each (position ids 0..S-1), as transformers finds them in a real run; on fake
+    tensors it cannot read the position ids, so it assumes packed sequences and builds the whole B x 1 x S x S mask
+    (transformers.masking_utils.find_packed_sequence_indices, reached without a cache, i.e. whenever checkpointing
+    turns use_cache off): an S^2 tensor no real run has (14.4 TB of bool at 3.8M tokens), and on CUDA kernels a masked
+    attention call is memory-efficient instead of flash. Under this context the check answers what it answers for
+    the trace's inputs in a real run: not packed (None)."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
 def _quiet_fake_errors():
     """FakeTensorMode logs a traceback for every op it cannot run; the TraceError says it in one line."""
     import logging
@@ -439,4 +526,5 @@ def _line(e: Exception) -> str:
     return first_line(e, limit=200)
 
 
-__all__ = ["ADAMW", "PRECISIONS", "KINDS", "PhasePeak", "StepTrace", "TraceError", "measure_steps", "trace_step"]
+__all__ = ["ADAMW", "PRECISIONS", "KINDS", "PhasePeak", "StepTrace", "TraceError", "measure_steps", "phase_trace",
+           "trace_step"]

@@ -184,10 +184,13 @@ class Offload:
     for its own backward and for nll_loss's: measured on the tiny Gemma 3, 1.79x the distinct bytes). A repeat
     save of the same view of a live storage gets the earlier copy (a weak reference tells a live storage from a
     freed one whose address was reused). `host_bytes` counts what it holds in host memory. Parameters are
-    recognised by storage at save time (ZeRO-3's gathered weights included)."""
+    recognised by storage at save time (ZeRO-3's gathered weights included). `host`: the (pack_hook, unpack_hook)
+    pair that moves a tensor out and back, save_on_cpu's by default (the planner's trace passes one that keeps only
+    the shape, `trace._FakeHost`, so that a saved tensor leaves the traced device as it leaves a GPU)."""
 
-    def __init__(self, model):
+    def __init__(self, model, host=None):
         self.model = model
+        self.host = host
         self.host_bytes = 0
 
     @contextlib.contextmanager
@@ -195,7 +198,7 @@ class Offload:
         import torch
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        inner = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        inner = self.host or torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
         keep, seen = object(), {}
 
         def pack(t):
