@@ -33,7 +33,8 @@ def _launch_recipe(recipe: str, args: list[str], log: Path) -> None:
     tag = "[" + Path(recipe).stem + "]"
     # everything goes to the log; the recipe's own lines (batch arithmetic, precision, step N/M, tables)
     # are shown as they come, so a long step is never minutes of silence
-    with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+    # from the checkout's root: the shipped accelerate configs name their DeepSpeed JSON relative to it
+    with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=root,
                                                text=True, errors="replace") as proc:
         for line in proc.stdout:
             f.write(line)
@@ -110,7 +111,7 @@ def run_demo(out: str = "demo_out") -> int:
     from ..scale.files import write_config_sets
     from ..scale.presets import PRESETS
 
-    out = Path(out)
+    out = Path(out).resolve()  # the recipes run from the checkout's root
     t0 = time.time()
     _banner("1. config set (accelerate YAML + DeepSpeed JSON), 2 processes")
     specs = [PRESETS[n].with_launch(num_processes=2) for n in ("ddp", "zero2", "zero3", "fsdp2")]
