@@ -46,10 +46,10 @@ def main(argv=None) -> int:
         from ..util.quiet import VERBOSE_ENV
 
         os.environ[VERBOSE_ENV] = "1"  # what this command launches (ranks, recipes) shows them too
-    else:
-        from ..util.quiet import quiet_known_noise
+    else:  # the known notices, and transformers' / the Hub's progress bars ("Loading weights") for this process
+        from ..util.quiet import quiet_unless_verbose
 
-        quiet_known_noise()
+        quiet_unless_verbose()
     parser = build_parser()
     args = parser.parse_args(argv)
     from ..util.extras import MissingExtra, missing_extra_line
