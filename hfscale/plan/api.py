@@ -219,7 +219,8 @@ def _lever_candidates(d, hw: Hardware, seq_len: int, tokens: int, precision: str
                           breakdown={**states, **lp.changes}, terms=terms,
                           not_traced=LEVERS_WHY,
                           extra={"levers": {"tiled_loss": levers.tiled_loss, "tiled_mlp": levers.tiled_mlp,
-                                            "offload_activations": levers.offload_activations},
+                                            "offload_activations": levers.offload_activations,
+                                            "tiled_norm": levers.tiled_norm},
                                  "host_activations_per_rank": lp.host_bytes_per_rank, "time_factor": lp.time_factor,
                                  "peak_phase": lp.peak_phase, "phases": lp.phases})
         out.append(judge(s, accum, pred, hw, round(cost(layers, base, max_tokens) + lp.time_factor - 1, 4)))
