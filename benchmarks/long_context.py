@@ -4,7 +4,7 @@ step peak measured by torch's MemTracker against the plan, and tokens/s with and
     .venv/bin/python benchmarks/long_context.py           # -> benchmarks/results/long_context.{md,json}
     .venv/bin/python benchmarks/long_context.py --redo tiled_loss          # those rows again, into the same files
     .venv/bin/python benchmarks/long_context.py --speed tiled_mlp offload  # only their tokens/s
-    .venv/bin/python benchmarks/long_context.py --planned   # only the planned tables (no CPU measurement, ~2 min):
+    .venv/bin/python benchmarks/long_context.py --planned   # only the planned tables (no CPU measurement, ~5 min):
                                                             # the measured sections already in the results stay
 
 Rows: the built-in tiny Gemma 3 (vocabulary 4,096, MLP 768), one process, fp32, micro batch 1, sdpa.

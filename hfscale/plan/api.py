@@ -195,7 +195,8 @@ def _code_digest() -> bytes:
 
 
 LEVERS_WHY = ("long-context levers, planned analytically per phase (hfscale.plan.long_context.phase_bytes: at or above the "
-              "fake-tensor trace of each phase: +0.5% to +12% at Llama-3.1-8B's full size, benchmarks/results/long_context.md)")
+              "fake-tensor trace of each phase: +0.9% to +17% at Llama-3.1-8B's full size with the four levers, "
+              "benchmarks/results/long_context.md)")
 
 
 def _lever_candidates(d, hw: Hardware, seq_len: int, tokens: int, precision: str, attention: str, sizes,

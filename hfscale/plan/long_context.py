@@ -1,6 +1,6 @@
-"""ALST's long-context levers in the plan: what tiled logits + loss, tiled MLP and activation offload do to one
-rank's memory and step time, as pure functions over the analytic per-rank model states (`parallel.analytic`, which
-covers Ulysses SP through `parallel.predict_parallel`). The levers themselves run in hfscale.scale.long_context;
+"""ALST's long-context levers in the plan: what tiled logits + loss, tiled MLP, tiled RMSNorm and activation offload
+do to one rank's memory and step time, as pure functions over the analytic per-rank model states
+(`parallel.analytic`, which covers Ulysses SP through `parallel.predict_parallel`). The levers themselves run in hfscale.scale.long_context;
 the fake-tensor trace (`trace.trace_step(levers=...)`, `trace.phase_trace`) runs the tiled ones for real and is
 what these formulas are checked against (benchmarks/long_context.py; tests/test_long_context.py).
 
@@ -11,9 +11,9 @@ tokens, e = 2 (bf16) / 4 (fp32) bytes, V vocabulary, I MLP width, h hidden, n sl
 The device peak is per phase (`phase_bytes`): the model states left on the GPU plus the largest of forward, the
 loss's backward and a layer's recomputed backward, which are never alive at once (the loss's slices are gone before
 the first layer's backward; Ulysses' all-to-all buffers exist only inside attention). Measured against the trace at
-Llama-3.1-8B's full per-rank size: a layer's backward +0.5% / +6% (without / with the offload), the loss's
-+0.9% / +12% (bounds), forward a loose bound (never the largest with full checkpointing); the tiny Gemma 3 / Gemma 4
-with the levers bounded too (docs/long_context.md).
+Llama-3.1-8B's full per-rank size: a layer's backward +0.5% / +6% (without / with the offload; +4% / +17% with the
+tiled norm), the loss's +0.9% / +12% (bounds), forward a loose bound (never the largest with full checkpointing); the
+tiny Gemma 3 / Gemma 4 with the levers bounded too (docs/long_context.md).
 
   tiled logits + loss (n = loss tiles): the saved fp32 log-softmax 4TV (and Gemma's eTV soft-cap output) is
     gone; one slice's working set takes its place in the loss phase, lm_head output + fp32 copy + log-softmax +
