@@ -5,8 +5,8 @@
 
 One process, random weights from the model's config (a shipped shape name, a config.json or a model directory),
 bf16 weights with fp32 master weights and AdamW states (DeepSpeed's bf16 layout, hfscale.plan.trace's optimizer),
-sdpa, full checkpointing, micro batch 1, and with --levers all the three levers at the plan's slices
-(hfscale.plan.long_context.alst_levers). Each trial is two training steps in a fresh process: the sequence doubles
+sdpa, full checkpointing, micro batch 1, and with --levers all ALST's three levers and the tiled RMSNorm at the
+plan's slices (hfscale.plan.long_context.alst_levers). Each trial is two training steps in a fresh process: the sequence doubles
 from --step until a step runs out of memory, then bisects in multiples of --step; each trial reports
 torch.cuda.max_memory_allocated. The plan: `longest_sequence` for the same strategy and this GPU's memory, and its
 per-trial total (x 1.1 fragmentation + 0.5 GiB context). Without a CUDA device it says so and exits 0 (nothing is

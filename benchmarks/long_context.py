@@ -4,7 +4,7 @@ step peak measured by torch's MemTracker against the plan, and tokens/s with and
     .venv/bin/python benchmarks/long_context.py           # -> benchmarks/results/long_context.{md,json}
     .venv/bin/python benchmarks/long_context.py --redo tiled_loss          # those rows again, into the same files
     .venv/bin/python benchmarks/long_context.py --speed tiled_mlp offload  # only their tokens/s
-    .venv/bin/python benchmarks/long_context.py --planned   # only the planned tables (no CPU measurement, ~2 min):
+    .venv/bin/python benchmarks/long_context.py --planned   # only the planned tables (no CPU measurement, ~5 min):
                                                             # the measured sections already in the results stay
 
 Rows: the built-in tiny Gemma 3 (vocabulary 4,096, MLP 768), one process, fp32, micro batch 1, sdpa.
@@ -18,7 +18,8 @@ Rows: the built-in tiny Gemma 3 (vocabulary 4,096, MLP 768), one process, fp32, 
             number is the host bytes it would hold (Offload.host_bytes over one forward) against the plan's.
   tokens/s  one plain and one lever step alternated 10 times after a warm-up, no tracker; the median step per wall
             second and per CPU-second of the process; the ratio is the lever's price.
-Then the longest sequence planned per model and hardware (analytic, bf16, full checkpointing, all three levers)
+Then the longest sequence planned per model and hardware (analytic, bf16, full checkpointing, ALST's three levers and
+the tiled RMSNorm, and the three alone)
 beside ALST's published numbers, and the per-phase model against the fake-tensor trace at Llama-3.1-8B's full
 per-rank size (`full_size_check`: the trace at 2 and 3 layers, extrapolated to 32 as plan/peak.py scales depth).
 """
@@ -149,12 +150,18 @@ def frontier() -> list[dict]:
     for name, d, hw, s, at, alst in cases:
         s_at = replace(s, seq_len=at)
         lv = alst_levers(d, s_at)
-        p, plain = lever_prediction(d, s_at, lv), lever_prediction(d, s_at, Levers())
+        three = replace(lv, tiled_norm=0)  # ALST's three levers, without the tiled RMSNorm
+        p, plain, p3 = lever_prediction(d, s_at, lv), lever_prediction(d, s_at, Levers()), lever_prediction(d, s_at, three)
         step = 8192 * s.sp
         longest = longest_sequence(d, hw, lambda S: replace(s, seq_len=S), alst_levers, step=step)
         longest_plain = longest_sequence(d, hw, lambda S: replace(s, seq_len=S), Levers(), step=step)
+        longest_three = longest_sequence(d, hw, lambda S: replace(s, seq_len=S),
+                                         lambda d, s: alst_levers(d, s, norm=False), step=step)
         rows.append({"model": name, "hardware": f"{hw.nodes} x {hw.gpus_per_node} x {hw.gpu_mem / 1e9:.0f} GB",
-                     "strategy": s_at.label, "seq_len": at, "levers": {"tiled_loss": lv.tiled_loss, "tiled_mlp": lv.tiled_mlp},
+                     "strategy": s_at.label, "seq_len": at,
+                     "levers": {"tiled_loss": lv.tiled_loss, "tiled_mlp": lv.tiled_mlp, "tiled_norm": lv.tiled_norm},
+                     "peak_phase": p.peak_phase, "peak_parts": p.changes,
+                     "gpu_gb_three": peak_bytes(p3.total) / 1e9, "longest_three": longest_three,
                      "gpu_gb": peak_bytes(p.total) / 1e9, "gpu_gb_without": peak_bytes(plain.total) / 1e9,
                      "host_gb_per_node": (p.host_bytes_per_rank + p.base["offloaded_per_rank"]) * hw.gpus_per_node / 1e9,
                      "time_factor": p.time_factor, "longest": longest, "longest_without_levers": longest_plain, "alst": alst})
@@ -191,7 +198,7 @@ def full_size_check() -> list[dict]:
         d = dims_from_config(cfg)
         planned = {k: sum(v.values()) for k, v in phase_bytes(d, Strategy(checkpointing="full", seq_len=tokens), lv).items()}
         full = {k: traced[2][k] + 30 * (traced[3][k] - traced[2][k]) for k in traced[2]}
-        rows.append({"tokens_per_rank": tokens, "where": where, "levers": [lv.tiled_loss, lv.tiled_mlp],
+        rows.append({"tokens_per_rank": tokens, "where": where, "levers": [lv.tiled_loss, lv.tiled_mlp, lv.tiled_norm],
                      "offload": offload, "traced": full,
                      "planned": planned})
     return rows
@@ -324,30 +331,40 @@ def render(res: dict) -> str:
         L += ["", f"The planned sections below were regenerated alone (`--planned`: {res['planned']['host']}; torch "
                   f"{res['planned']['torch']}; {res['planned']['seconds']} s); the measured ones above are from the run "
                   "the header names."]
-    L += ["", "## Longest sequence planned (analytic, bf16, full checkpointing, ZeRO-3 with cpu offload, all three levers)", "",
+    L += ["", "## Longest sequence planned (analytic, bf16, full checkpointing, ZeRO-3 with cpu offload, ALST's three levers "
+          "and the tiled RMSNorm)", "",
           "Per-GPU = the model states left on the GPU + the largest phase of hfscale.plan.long_context.phase_bytes "
           "(forward, the loss's backward, a layer's recomputed backward: not alive at once), x 1.1 fragmentation + 0.5 GiB "
           "CUDA context; per-host = offloaded activations + offloaded model states of the node's ranks. Planned only: "
           "never run on GPUs here.", "",
-          "| model | hardware | strategy | at | levers (loss / MLP slices) | per GPU GB | without levers | per host GB | "
-          "time x | longest planned | without levers | ALST |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| model | hardware | strategy | at | levers (loss / MLP / norm slices) | per GPU GB | three levers (no tiled "
+          "norm) | without levers | per host GB | time x | peak phase | longest planned | three levers | without levers "
+          "| ALST |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in res["frontier"]:
-        L.append(f"| {f['model']} | {f['hardware']} | {f['strategy']} | {f['seq_len']:,} | {f['levers']['tiled_loss']} / "
-                 f"{f['levers']['tiled_mlp']} | {f['gpu_gb']:.1f} | {f['gpu_gb_without']:.1f} | {f['host_gb_per_node']:.1f} | "
-                 f"{f['time_factor']:.3f} | {f['longest']:,} | {f['longest_without_levers']:,} | {f['alst']} |")
+        lv = f["levers"]
+        L.append(f"| {f['model']} | {f['hardware']} | {f['strategy']} | {f['seq_len']:,} | {lv['tiled_loss']} / "
+                 f"{lv['tiled_mlp']} / {lv.get('tiled_norm', 0)} | {f['gpu_gb']:.1f} | {f.get('gpu_gb_three', 0):.1f} | "
+                 f"{f['gpu_gb_without']:.1f} | {f['host_gb_per_node']:.1f} | {f['time_factor']:.3f} | "
+                 f"{f.get('peak_phase', '-')} | {f['longest']:,} | {f.get('longest_three', 0):,} | "
+                 f"{f['longest_without_levers']:,} | {f['alst']} |")
+    if res["frontier"] and res["frontier"][0].get("peak_parts"):
+        L += ["", "The largest phase of each row at its length, GB beyond the model states (before x 1.1 + 0.5 GiB):", ""]
+        for f in res["frontier"]:
+            parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in f["peak_parts"].items())
+            L.append(f"- {f['model']}, {f['hardware']}, {f['seq_len']:,}: {f['peak_phase']}: {parts}")
     if res.get("full_size_check"):
         L += ["", "## The per-phase model against the fake-tensor trace at full size (Llama-3.1-8B, per rank)", "",
               "Non-state device bytes (activations + temporaries) per phase, GB: the trace (transformers' own code on fake "
-              "tensors, CUDA's flash attention, the tiled loss and MLP run for real, the activation offload as "
+              "tensors, CUDA's flash attention, the tiled loss, MLP and RMSNorm run for real, the activation offload as "
               "save_on_cpu moves tensors off a GPU; at 2 and 3 layers, extrapolated to 32) against `phase_bytes`. No "
               "Ulysses (one process: its all-to-all buffers are counted by formula, in attention's backward).", "",
-              "| tokens per rank | planned case | loss / MLP slices | offload | phase | traced GB | planned GB | error |",
+              "| tokens per rank | planned case | loss / MLP / norm slices | offload | phase | traced GB | planned GB | error |",
               "|---|---|---|---|---|---|---|---|"]
         names = {"forward": "forward", "loss": "loss", "layer_backward": "layers"}
         for c in res["full_size_check"]:
             for ph, tk in names.items():
                 tr, pl = c["traced"][tk], c["planned"][ph]
-                L.append(f"| {c['tokens_per_rank']:,} | {c['where']} | {c['levers'][0]} / {c['levers'][1]} | "
+                L.append(f"| {c['tokens_per_rank']:,} | {c['where']} | {' / '.join(str(x) for x in c['levers'])} | "
                          f"{'yes' if c.get('offload') else 'no'} | {ph} | "
                          f"{tr / 1e9:.2f} | {pl / 1e9:.2f} | {(pl - tr) / tr:+.2%} |")
     return "\n".join(L) + "\n"

@@ -114,7 +114,7 @@ def train(cfg, force, pre, parallel) -> int:
         if parallel.sp_attention == "sdpa":
             use_window_sdpa()
     layers = apply_checkpointing_(model, cfg.checkpointing, pre.launch.fsdp_checkpoints_all)
-    levers = apply_levers_(model, cfg.levers)  # long context: tiled loss / MLP (docs/long_context.md)
+    levers = apply_levers_(model, cfg.levers)  # long context: tiled loss / MLP / RMSNorm (docs/long_context.md)
     optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     with per_layer_heads(model):  # Ulysses on layers of different head shapes (Gemma 4); else nothing
         model, optimizer = accelerator.prepare(model, optimizer)

@@ -201,7 +201,7 @@ def _lines(r) -> list[str]:
             if "levers" in b.prediction.extra:
                 lv = b.prediction.extra["levers"]
                 out.append(f"  long-context levers: tiled_loss {lv['tiled_loss']} slices, tiled_mlp {lv['tiled_mlp']} slices, "
-                           f"offload_activations {str(lv['offload_activations']).lower()}; step time x"
+                           f"tiled_norm {lv.get('tiled_norm', 0)} slices, offload_activations {str(lv['offload_activations']).lower()}; step time x"
                            f"{b.prediction.extra['time_factor']:.2f} (hfscale/plan/long_context.py's time model)")
         else:
             out.append(f"\n{r.nothing_fits}")

@@ -1,6 +1,6 @@
-"""ALST's long-context levers in the plan: what tiled logits + loss, tiled MLP and activation offload do to one
-rank's memory and step time, as pure functions over the analytic per-rank model states (`parallel.analytic`, which
-covers Ulysses SP through `parallel.predict_parallel`). The levers themselves run in hfscale.scale.long_context;
+"""ALST's long-context levers in the plan: what tiled logits + loss, tiled MLP, tiled RMSNorm and activation offload
+do to one rank's memory and step time, as pure functions over the analytic per-rank model states
+(`parallel.analytic`, which covers Ulysses SP through `parallel.predict_parallel`). The levers themselves run in hfscale.scale.long_context;
 the fake-tensor trace (`trace.trace_step(levers=...)`, `trace.phase_trace`) runs the tiled ones for real and is
 what these formulas are checked against (benchmarks/long_context.py; tests/test_long_context.py).
 
@@ -11,9 +11,9 @@ tokens, e = 2 (bf16) / 4 (fp32) bytes, V vocabulary, I MLP width, h hidden, n sl
 The device peak is per phase (`phase_bytes`): the model states left on the GPU plus the largest of forward, the
 loss's backward and a layer's recomputed backward, which are never alive at once (the loss's slices are gone before
 the first layer's backward; Ulysses' all-to-all buffers exist only inside attention). Measured against the trace at
-Llama-3.1-8B's full per-rank size: a layer's backward +0.5% / +6% (without / with the offload), the loss's
-+0.9% / +12% (bounds), forward a loose bound (never the largest with full checkpointing); the tiny Gemma 3 / Gemma 4
-with the levers bounded too (docs/long_context.md).
+Llama-3.1-8B's full per-rank size: a layer's backward +0.5% / +6% (without / with the offload; +4% / +17% with the
+tiled norm), the loss's +0.9% / +12% (bounds), forward a loose bound (never the largest with full checkpointing); the
+tiny Gemma 3 / Gemma 4 with the levers bounded too (docs/long_context.md).
 
   tiled logits + loss (n = loss tiles): the saved fp32 log-softmax 4TV (and Gemma's eTV soft-cap output) is
     gone; one slice's working set takes its place in the loss phase, lm_head output + fp32 copy + log-softmax +
@@ -25,6 +25,13 @@ with the levers bounded too (docs/long_context.md).
     TiledMLP saves the MLP input, already counted. The recompute of a checkpointed layer (`recompute_working`)
     drops the same terms; one slice's intermediates and their gradients, 2 x (I-terms at t tokens), come back.
     Default n: ceil(T / h) (ALST: slices of `hidden` tokens, so a slice's [t x I] equals one weight matrix).
+  tiled RMSNorm (n = norm tiles): a norm saves only its input instead of its fp32 internals (`norm_saving`: the
+    fp32 input copy of a bf16 model, the fp32 normalised rows, the per-row statistics, Gemma's fp32 weight copy,
+    less the input it now saves), for every norm of a non-checkpointed layer, the recomputed layer and the final
+    norm; the norm's backward holds its fp32 temporaries for one slice, (NORM_TEMPS + 2)·4·t·width, beside the
+    incoming gradient and the input's gradient, 2e·T·width. Counted: the four [T x h] norms of a Gemma layer (two
+    of a Llama) and Gemma's q_norm / k_norm; not counted (their saving left out, so the plan stays a bound):
+    Gemma 4's v_norm, MoE and per-layer-input norms. Default n: ceil(T / h), as the MLP's.
   activation offload: everything saved for backward outside the recomputed layer moves to host memory:
     host = activations (per rank; x GPUs per node for the host), less the tiled loss's hidden states and labels
     (held on the op's ctx where no saved-tensor hook sees them); the GPU keeps those and one reloaded layer input
@@ -35,7 +42,8 @@ Time model (relative to the same step without the lever; stated, not measured on
   FLOPs per token of a forward: 2 x parameters + 4·S·q·d per layer (causal attention, half of 2 x 2·S·q·d);
   a step = forward + backward (2 x forward) + the recomputed forward of the checkpointed layers.
   tiled loss recomputes the lm_head forward (2·h·V per token); tiled MLP recomputes every MLP forward
-  (6·h·I per token per layer); offload copies host bytes to the host and back at `pcie_gbps` (default 25 GB/s,
+  (6·h·I per token per layer); tiled norm recomputes every norm forward (~4 FLOPs per element: memory-bound,
+  counted as FLOPs, small); offload copies host bytes to the host and back at `pcie_gbps` (default 25 GB/s,
   PCIe 4 x16 as measured by users, not overlapped: torch's save_on_cpu copies synchronously) against compute at
   `tflops` (default 400: 40% of an H100's 989 dense bf16 TFLOPs).
 """
@@ -91,6 +99,41 @@ def forward_flops(d: Dims, tokens: int, seq: int) -> float:
     return tokens * (2 * d.params + attn)
 
 
+def norm_saving(d: Dims, tokens: int, e: int) -> tuple[list[int], int]:
+    """Bytes a tiled RMSNorm no longer saves, per decoder layer and for the final norm, at `tokens` tokens: per norm
+    over r rows of width w, Llama's 4rw + 4r (the fp32 input copy or, in fp32, the normalised rows; one statistic),
+    Gemma's 6rw in bf16 (fp32 input copy and normalised rows, less the bf16 input it saves) or 4rw in fp32 (the
+    normalised rows), the statistics (Gemma 3 one per row, 4r; Gemma 4 two, 8r) and the fp32 weight 4w (Gemma 3's
+    1 + weight; Gemma 4's copy in bf16 only), counted from the tensors the norm saves (offload host bytes, exact). Counted norms: the layer's [T x h] ones (Gemma 4, Llama 2) and
+    Gemma's q_norm / k_norm (k_norm absent on Gemma 4's KV-shared layers); others are left out (a lower bound)."""
+    def one(rows, width):
+        if d.family == "llama":
+            return 4 * rows * width + 4 * rows
+        # Gemma 3 saves rsqrt's output and (1 + weight) in fp32; Gemma 4 pow's input and output, and weight.float()
+        # (a copy in bf16 only)
+        stats, weight = (4, 4 * width) if d.family == "gemma" else (8, 4 * width if e == 2 else 0)
+        return (6 if e == 2 else 4) * rows * width + stats * rows + weight
+
+    T, h = tokens, d.hidden
+    per = []
+    for ld in d.layers_dims():
+        n = (2 if d.family == "llama" else 4) * one(T, h)
+        if d.family != "llama":
+            n += one(T * d.heads, ld.head_dim)
+            if not ld.kv_shared:
+                n += one(T * ld.kv_heads, ld.head_dim)
+        per.append(n)
+    return per, one(T, h)
+
+
+def _norm_elements(d: Dims) -> int:
+    """Elements per token the decoder's counted RMSNorms normalise (the tiled norm's recompute)."""
+    per = sum((2 if d.family == "llama" else 4) * d.hidden
+              + (0 if d.family == "llama" else d.heads * ld.head_dim + ld.kv_heads * ld.head_dim)
+              for ld in d.layers_dims())
+    return per + d.hidden
+
+
 NORM_TEMPS = 4  # fp32 [T x h] temporaries autograd holds at once in an upcasting RMSNorm's backward (see phase_bytes)
 
 
@@ -111,7 +154,8 @@ def phase_bytes(d: Dims, s: Strategy, levers) -> dict:
                       step's graph is freed: e·T·h + 8T), the layer's recomputed saved set (`recompute_working`;
                       tiled MLP: without its [T x I] intermediates, with one slice's and their gradients, and one
                       MLP's weight gradients, which TiledMLP adds slice by slice), and the largest of the transients:
-                      the widest RMSNorm's backward (every family here upcasts to fp32: autograd's pow / mean /
+                      the widest RMSNorm's backward (tiled norm: one slice of it, see the module docstring; every family here
+                      upcasts to fp32: autograd's pow / mean /
                       rsqrt / mul chain holds NORM_TEMPS fp32 copies of its input at once, beside the incoming
                       gradient; counted from the trace: pow, div, mul, mul.Scalar outputs; the input is [T x h], or
                       Gemma's q_norm over all query heads [T x q x d]), an untiled MLP's backward (e·T·h + 4e·T·I +
@@ -131,6 +175,15 @@ def phase_bytes(d: Dims, s: Strategy, levers) -> dict:
     ckpt = set(checkpointed_layers(s.checkpointing, d.layers))
     inputs = 0 if levers.offload_activations else act["layers"]
     saved = act["recompute_working"] if ckpt else 0
+    head = act["head"]
+    norm_tiles = getattr(levers, "tiled_norm", 0)
+    if norm_tiles:  # the norms save their inputs only (Gemma 4's layers differ: the smallest saving for the recompute)
+        per, final = norm_saving(d, T, e)
+        if ckpt:
+            saved -= min(per)
+        if not levers.offload_activations:
+            inputs -= sum(b for i, b in enumerate(per) if i not in ckpt)
+        head -= final
     if levers.tiled_mlp:
         per = _mlp_bytes(d, T, e)
         t_mlp = math.ceil(T / levers.tiled_mlp)
@@ -161,12 +214,15 @@ def phase_bytes(d: Dims, s: Strategy, levers) -> dict:
     # the widest RMSNorm: the hidden one, or Gemma's per-head q_norm over all query heads at once ([T x q x d])
     width = max(d.hidden, *(d.heads * ld.head_dim for ld in d.layers_dims())) if d.family != "llama" else d.hidden
     norm = NORM_TEMPS * 4 * T * width + e * T * width
+    if norm_tiles:  # one slice's fp32 temporaries (its fp32 input and normalised rows too), the incoming gradient
+        # and the input's gradient the tiled op fills
+        norm = (NORM_TEMPS + 2) * 4 * math.ceil(T / norm_tiles) * width + 2 * e * T * width
     attn = 2 * U + e * T * (heads + 2 * kv) + sp
     if not levers.tiled_mlp:  # the MLP's backward: its incoming gradient, the gradients of its four [T x I] tensors
         widest = max(ld.intermediate for ld in d.layers_dims())  # (gate, activation, up, product) and its weights'
         norm = max(norm, U + 4 * e * T * widest + 3 * e * d.hidden * widest)
     # with the offload every saved tensor outside the recomputed layer is in host memory but the tiled loss's
-    resident = ({"loss_kept_hidden": kept} if levers.offload_activations else {"layer_inputs": inputs, "head": act["head"]})
+    resident = ({"loss_kept_hidden": kept} if levers.offload_activations else {"layer_inputs": inputs, "head": head})
     # Gemma 4 counts the embedding output (layer 0's input) in the head, not in the layers: alive until layer 0's backward
     embedding = U if d.family == "gemma4" and not levers.offload_activations else 0
     out = {
@@ -200,6 +256,9 @@ def lever_prediction(d: Dims, s: Strategy, levers, pcie_gbps: float = 25.0, tflo
         tiles["mlp"] = levers.tiled_mlp
         widths = [ld.intermediate for ld in d.per_layer] if d.per_layer else [d.intermediate] * d.layers
         added += sum(6 * d.hidden * w for w in widths) * T
+    if levers.tiled_norm:
+        tiles["norm"] = levers.tiled_norm
+        added += 4 * _norm_elements(d) * T
     host = 0
     if levers.offload_activations:  # everything saved outside the recomputed layer, but the tiled loss's hidden
         # states and labels (on its autograd node's ctx, where no saved-tensor hook sees them)
@@ -208,6 +267,9 @@ def lever_prediction(d: Dims, s: Strategy, levers, pcie_gbps: float = 25.0, tflo
             host -= act["logits"] + e * T * d.hidden + 8 * T
         if levers.tiled_mlp:
             host -= sum(b for i, b in enumerate(_mlp_bytes(d, T, e)) if i not in ckpt)
+        if levers.tiled_norm:
+            per, final = norm_saving(d, T, e)
+            host -= final + sum(b for i, b in enumerate(per) if i not in ckpt)
     phases = phase_bytes(d, s, levers)
     at = max(phases, key=lambda k: sum(phases[k].values()))
     states = base["weights"] + base["gradients"] + base["optimizer"] + base["zero3_live"]
@@ -246,12 +308,14 @@ def longest_sequence(d: Dims, hw, strategy_at, levers, step: int = 65536, limit:
     return best
 
 
-def alst_levers(d: Dims, s: Strategy, offload: bool = True):
-    """All three levers with the default slices for one rank's tokens."""
+def alst_levers(d: Dims, s: Strategy, offload: bool = True, norm: bool = True):
+    """ALST's three levers with the default slices for one rank's tokens, and the tiled RMSNorm (slices of `hidden`
+    tokens, as the MLP's; ALST gets the same from Liger-Kernel's fused norm): it only lowers every phase, for one
+    more norm forward per step."""
     from ..scale.long_context import Levers
 
     T = s.micro_batch * s.seq_len // (s.sp * s.cp)
-    return Levers(loss_tiles(T, d.vocab), mlp_tiles(T, d.hidden), offload)
+    return Levers(loss_tiles(T, d.vocab), mlp_tiles(T, d.hidden), offload, mlp_tiles(T, d.hidden) if norm else 0)
 
 
 def with_seq(s: Strategy, seq_len: int) -> Strategy:
@@ -259,4 +323,4 @@ def with_seq(s: Strategy, seq_len: int) -> Strategy:
 
 
 __all__ = ["LeverPrediction", "alst_levers", "fits", "forward_flops", "lever_prediction", "longest_sequence", "loss_tiles",
-           "mlp_tiles", "with_seq"]
+           "mlp_tiles", "norm_saving", "with_seq"]

@@ -200,7 +200,7 @@ def _engine_of(s: Strategy) -> str:
 
 def lever_strategies(hw: Hardware, seq_len: int, global_batch_tokens: int, precision: str, attention: str,
                      parallel) -> list[tuple[Strategy, int]]:
-    """Long-context candidates for when nothing else fits: ALST's levers (tiled logits + loss and MLP, with and
+    """Long-context candidates for when nothing else fits: ALST's levers (tiled logits + loss, MLP and RMSNorm, with and
     without activation offload) over ZeRO-3 with full checkpointing, with and without CPU offload of the model
     states, at the smallest micro batch, for every sequence-parallel size planned (plain data parallelism too)."""
     out = []

@@ -27,7 +27,7 @@ def write_plan(row, hw, out: Path, force: bool = False, model: str | None = None
         recipe = {"model": model, "seq_len": seq_len, "micro_batch": row.micro_batch,
                   "global_batch_tokens": row.micro_batch * row.grad_accum * row.dp * seq_len,
                   "checkpointing": row.checkpointing, "precision": "launch",
-                  **row.prediction.extra.get("levers", {})}  # long context: tiled_loss / tiled_mlp / offload_activations
+                  **row.prediction.extra.get("levers", {})}  # long context: tiled_loss / tiled_mlp / offload_activations / tiled_norm
         files[out / "recipe.yaml"] = (
             f"# accelerate launch --config_file {out / (spec.name + '.yaml')} recipes/train_clm.py --config {out / 'recipe.yaml'}\n"
             f"# recipes/train_clm.py settings for the plan '{row.label}' (hfscale plan --write); add data, max_steps, lr\n"

@@ -1,7 +1,7 @@
 """ALST's long-context levers (Arctic Long Sequence Training, arXiv 2506.13996) as thin adapters over the kept
 implementations: DeepSpeed 0.19.8's deepspeed/runtime/sequence_parallel/ulysses_sp.py and torch's
 torch.autograd.graph.save_on_cpu. One switch each (`Levers`, the recipe YAML's tiled_loss / tiled_mlp /
-offload_activations); Ulysses SP itself is hfscale.scale.ulysses.
+offload_activations / tiled_norm); Ulysses SP itself is hfscale.scale.ulysses.
 
   tiled logits + loss (`tile_loss_`): the CausalLM's forward, given labels, computes the loss with DeepSpeed's
     `sequence_tiled_compute` over `tiles` slices of the sequence: lm_head (+ Gemma's final soft-capping) and an
@@ -18,6 +18,14 @@ offload_activations); Ulysses SP itself is hfscale.scale.ulysses.
   tiled MLP (`tile_mlp_`): every decoder layer's dense MLP runs through DeepSpeed's `TiledMLP`: forward slice by
     slice under no_grad, saving only its input; backward recomputes each slice. The MLP's [tokens x width]
     intermediates exist for one slice at a time (in the layer's recompute under checkpointing too).
+  tiled RMSNorm (`tile_norm_`): every RMSNorm of the decoder (each layer's input / post-attention norms, Gemma's
+    pre / post feed-forward and per-head q / k / v norms, the final norm) runs through the same `TiledMLP` over its
+    rows (tokens, or tokens x heads for the per-head norms): HF's RMSNorms compute in fp32, so each saves an fp32
+    copy of its input (bf16 models) and the fp32 normalised rows, and its backward holds four fp32 copies of its
+    input at once (pow, div, mul, mul.Scalar in the trace). Tiled, a norm saves only its input and its fp32
+    internals exist for one slice at a time, in forward, in the recompute and in backward (one more norm forward
+    per step, memory-bound and small). The same per-token recompute ALST gets from Liger-Kernel's fused RMSNorm,
+    with DeepSpeed's kept op instead of a new kernel.
   activation offload (`Offload`, `with_levers`): torch's `save_on_cpu` around the forward: every tensor saved for
     backward except the parameters (with checkpointing: the checkpointed layers' inputs, the tensors outside the
     layers) is copied to host memory (pinned on CUDA) and brought back when backward needs it. On a CPU-only host the
@@ -34,26 +42,28 @@ from ..util.errors import ConfigError
 
 @dataclass(frozen=True)
 class Levers:
-    """tiled_loss / tiled_mlp: slices per sequence (0 = off; each rank's tokens under SP); offload_activations:
-    saved activations in host memory (needs checkpointing, whose layer inputs are what it moves)."""
+    """tiled_loss / tiled_mlp / tiled_norm: slices per sequence (0 = off; each rank's tokens under SP);
+    offload_activations: saved activations in host memory (needs checkpointing, whose layer inputs are what it
+    moves)."""
 
     tiled_loss: int = 0
     tiled_mlp: int = 0
     offload_activations: bool = False
+    tiled_norm: int = 0
 
     def __post_init__(self):
-        for name in ("tiled_loss", "tiled_mlp"):
+        for name in ("tiled_loss", "tiled_mlp", "tiled_norm"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be an integer >= 0 (slices of each sequence; 0 = off), "
                                   f"got {getattr(self, name)!r}")
 
     @property
     def any(self) -> bool:
-        return bool(self.tiled_loss or self.tiled_mlp or self.offload_activations)
+        return bool(self.tiled_loss or self.tiled_mlp or self.offload_activations or self.tiled_norm)
 
     def check(self, seq_len: int, checkpointing: str) -> None:
         """Refuse settings that cannot do what they say, in one line naming the fix."""
-        for name in ("tiled_loss", "tiled_mlp"):
+        for name in ("tiled_loss", "tiled_mlp", "tiled_norm"):
             if getattr(self, name) > seq_len:
                 raise ConfigError(f"{name} {getattr(self, name)} is more slices than the {seq_len} tokens of a sequence; "
                                   f"use at most {seq_len}")
@@ -68,6 +78,8 @@ def apply_levers_(model, levers: Levers) -> list[str]:
     done = []
     if levers.tiled_mlp:
         done.append(f"tiled MLP x{levers.tiled_mlp} on {tile_mlp_(model, levers.tiled_mlp)} layers")
+    if levers.tiled_norm:
+        done.append(f"tiled RMSNorm x{levers.tiled_norm} on {tile_norm_(model, levers.tiled_norm)} norms")
     if levers.tiled_loss:
         tile_loss_(model, levers.tiled_loss)
         done.append(f"tiled logits+loss x{levers.tiled_loss}")
@@ -96,18 +108,53 @@ def _decoder_mlps(model) -> list:
 def tile_mlp_(model, tiles: int) -> int:
     """Every decoder layer's `mlp` computes through DeepSpeed's TiledMLP in `tiles` sequence slices (an instance
     attribute over the class's forward; MoE experts are left as they are). Returns the number of MLPs tiled."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
-    def plain(mlp, x):  # the module's own forward, whatever class it is
-        return type(mlp).forward(mlp, _quiet(x))
-
     mlps = _decoder_mlps(model)
     if not mlps:
         raise ConfigError(f"tiled_mlp: {type(model).__name__} has no decoder layers with an `mlp`; set tiled_mlp: 0")
     for mlp in mlps:
-        params = [p for p in mlp.parameters()]
-        mlp.forward = (lambda x, _m=mlp, _p=params: TiledMLP.apply(plain, _m, x, tiles, _p))
+        _tile_forward_(mlp, tiles)
     return len(mlps)
+
+
+def _own_forward(module, x):
+    """The module's class's forward, whatever class it is (the instance's is the tiled one)."""
+    return type(module).forward(module, _quiet(x))
+
+
+def _tile_forward_(module, tiles: int, rows: bool = False) -> None:
+    """`module` computes through DeepSpeed's TiledMLP in `tiles` sequence slices (an instance attribute over the
+    class's forward). `rows`: the input is flattened to [rows, width] first and the output viewed back (a function
+    of each row alone, such as an RMSNorm over any leading dimensions)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    params = [p for p in module.parameters()]
+
+    def forward(x):
+        if not rows:
+            return TiledMLP.apply(_own_forward, module, x, tiles, params)
+        flat = x.reshape(-1, x.shape[-1])
+        return TiledMLP.apply(_own_forward, module, flat, min(tiles, flat.shape[0]), params).view(x.shape)
+
+    module.forward = forward
+
+
+# --- tiled RMSNorm ------------------------------------------------------------------------------------------
+
+def _decoder_norms(model) -> list:
+    """Every RMSNorm module of the decoder (its layers' and the final one; not a vision tower's)."""
+    return [m for m in model.get_decoder().modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def tile_norm_(model, tiles: int) -> int:
+    """Every RMSNorm of the decoder computes through DeepSpeed's TiledMLP over its rows (the input flattened to
+    [rows, width]: an RMSNorm normalises each row alone, so any split of the rows is exact) in `tiles` slices: the
+    norm saves only its input and recomputes each slice in backward. Returns the number of norms tiled."""
+    norms = _decoder_norms(model)
+    if not norms:
+        raise ConfigError(f"tiled_norm: {type(model).__name__} has no RMSNorm in its decoder; set tiled_norm: 0")
+    for norm in norms:
+        _tile_forward_(norm, tiles, rows=True)
+    return len(norms)
 
 
 # --- tiled logits + loss -----------------------------------------------------------------------------------

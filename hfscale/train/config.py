@@ -43,10 +43,12 @@ class TrainConfig:
     # rank{R}.json per rank, profile.json (measured vs the plan's prediction) and timeline.png
     profile_memory: int = 0
     # ALST's long-context levers (hfscale.scale.long_context; docs/long_context.md): the logits + loss and the
-    # decoder MLPs computed in this many slices of each sequence (0 = off), saved activations in host memory
+    # decoder MLPs / RMSNorms computed in this many slices of each sequence (0 = off), saved activations in host
+    # memory
     tiled_loss: int = 0
     tiled_mlp: int = 0
     offload_activations: bool = False
+    tiled_norm: int = 0
     extra: dict = field(default_factory=dict, compare=False)  # recipe YAML notes (ignored)
 
     def __post_init__(self):
@@ -78,7 +80,7 @@ class TrainConfig:
         """The long-context switches as one validated hfscale.scale.long_context.Levers."""
         from ..scale.long_context import Levers
 
-        return Levers(self.tiled_loss, self.tiled_mlp, self.offload_activations)
+        return Levers(self.tiled_loss, self.tiled_mlp, self.offload_activations, self.tiled_norm)
 
 
 @dataclass(frozen=True)
