@@ -2,9 +2,10 @@
 
 On a CPU host DeepSpeed JIT-compiles its C++ ops the first time a run asks for them: `cpu_adam` (CPU offload),
 `deepspeed_shm_comm` (its shared-memory collectives), `async_io` and `pin_memory` (NVMe offload). Measured on a
-2-core host: about 1, 1 and 4 minutes (shared with other jobs; an AVX2-only host took ~15 min for async_io), and
-two ranks of one launch wait on each other's build lock. DeepSpeed's docs recommend building ops ahead of time;
-this does it through DeepSpeed's own op builders, into the same cache the runs load from
+2-core AVX512 host: 31 s, 18 s and 117 s idle (53, 61 and 222 s shared with other jobs; an AVX2-only host took ~15
+min for async_io), and two ranks of one launch wait on each other's build lock. DeepSpeed documents building ops
+ahead of time (DS_BUILD_OPS at pip install) as the alternative to JIT; this does it through DeepSpeed's own op
+builders, into the same JIT cache the runs load from
 (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). An op the host cannot build (async_io without libaio)
 is reported and skipped: the runs that need it say so themselves.
 
