@@ -31,14 +31,18 @@ def _one_line_error(r):
         (["config"], "name a preset"),
         (["config", "zero9"], "invalid choice"),
         (["prove", "--config", "{missing}"], "hfscale config"),
+        (["prove", "--config", "{lost_ds}", "--out", "{out}"], "names deepspeed_config_file gone/zero2.json"),
     ],
 )
 def test_bad_input_one_line_exit_2_nothing_written(args, fix, tmp_path, cli):
     (tmp_path / "f").write_text("x")
     (tmp_path / "spec.yaml").write_text("name: s\nzero:\n  stage: 3\n  offload_param: cpu\n")
-    subs = {"file": tmp_path / "f", "spec": tmp_path / "spec.yaml", "missing": tmp_path / "nope.yaml"}
-    args = [a.format(**subs) for a in args]
+    (tmp_path / "lost_ds.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: "
+                                           "gone/zero2.json\nnum_processes: 2\n")
     out = tmp_path / "out"
+    subs = {"file": tmp_path / "f", "spec": tmp_path / "spec.yaml", "missing": tmp_path / "nope.yaml",
+            "lost_ds": tmp_path / "lost_ds.yaml", "out": out}
+    args = [a.format(**subs) for a in args]
     extra = ["--out-accelerate", out, "--out-deepspeed", out] if args[0] == "config" else []
     line = _one_line_error(cli(*args, *extra, cwd=tmp_path))
     assert fix in line

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..util.errors import HfscaleError, first_line
 
-from ..scale.load import read_mapping  # noqa: F401  (the one reader of config files; doctor's inputs use it)
+from ..scale.load import find_deepspeed_file, read_mapping  # the one reader of config files and their references
 
 
 @dataclass
@@ -33,15 +33,6 @@ class Setup:
     host_bf16: object | None = None  # hfscale.util.hosts.Bf16Support
     cpu_launch: bool = False
     notes: list = field(default_factory=list)
-
-
-def _find_ds_file(ref: str, beside: Path | None) -> Path | None:
-    """accelerate resolves deepspeed_config_file against the launch directory; also try beside the
-    YAML and its parent (a repository with accelerate_configs/ and ds_configs/)."""
-    candidates = [Path(ref)]
-    if beside is not None and not Path(ref).is_absolute():
-        candidates += [beside / ref, beside.parent / ref]
-    return next((c for c in candidates if c.is_file()), None)
 
 
 def _read(source, kind: str, label: str | None) -> tuple[dict, str]:
@@ -70,7 +61,7 @@ def load_setup(accelerate=None, deepspeed=None, args=None, model=None, num_proce
         if not ref and s.args and isinstance(s.args.get("deepspeed"), str):
             ref, beside = s.args["deepspeed"], Path(args).parent
         if isinstance(ref, str) and ref not in ("", "none"):
-            found = _find_ds_file(ref, beside)
+            found = find_deepspeed_file(ref, beside)
             if found is None:
                 s.notes.append(("missing-deepspeed-file", ref))
             else:

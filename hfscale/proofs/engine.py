@@ -343,8 +343,10 @@ def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str
     """
     import subprocess
 
+    from ..scale.load import launch_deepspeed_file
     from ..util.errors import HfscaleError
 
+    ds_file = launch_deepspeed_file(config)  # accelerate reads it from the launch directory: pass it found
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
@@ -354,6 +356,8 @@ def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str
     port = str(free_port())
     base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
             "--num_processes", str(num_processes), "--main_process_port", port]
+    if ds_file is not None:
+        base += ["--deepspeed_config_file", str(ds_file)]
     script = ["-m", module, "--out", str(out), "--precision", precision, *(extra or [])]
     if num_machines == 1:
         cmds = [base + ["--num_machines", "1", "--machine_rank", "0", *script]]

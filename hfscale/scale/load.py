@@ -72,3 +72,28 @@ def spec_to_dict(spec: ScaleSpec) -> dict:
     from dataclasses import asdict
 
     return asdict(spec)
+
+
+def find_deepspeed_file(ref: str, beside: Path | None) -> Path | None:
+    """A deepspeed_config_file reference as accelerate resolves it (against the launch directory), else beside
+    the YAML and its parent (a repository with accelerate_configs/ and ds_configs/); None where it is in none."""
+    candidates = [Path(ref)]
+    if beside is not None and not Path(ref).is_absolute():
+        candidates += [beside / ref, beside.parent / ref]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def launch_deepspeed_file(accelerate_yaml: str | os.PathLike) -> Path | None:
+    """The DeepSpeed JSON an accelerate YAML names (deepspeed_config.deepspeed_config_file), as an absolute path a
+    launch from any directory can pass on (`--deepspeed_config_file`); None where it names none. Named but found
+    nowhere: one line naming the fix, before anything is launched."""
+    data = read_mapping(accelerate_yaml, "accelerate config")
+    ds = data.get("deepspeed_config")
+    ref = ds.get("deepspeed_config_file") if isinstance(ds, dict) else None
+    if not isinstance(ref, str) or ref in ("", "none"):
+        return None
+    found = find_deepspeed_file(ref, Path(accelerate_yaml).parent)
+    if found is None:
+        raise HfscaleError(f"{accelerate_yaml} names deepspeed_config_file {ref}, found neither from {Path.cwd()} nor "
+                           f"beside the YAML; run from the directory it is relative to, or write its absolute path there")
+    return found.resolve()
