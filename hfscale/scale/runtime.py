@@ -116,6 +116,7 @@ def make_accelerator(precision: str | None = None, **kwargs):
             f"{launched} were launched; each rank would train alone"
         )
     end_process_group_at_exit()
+    hold_process_groups()
     return accelerator
 
 
@@ -141,6 +142,7 @@ def exit_rank(code: int | None):
     for t in threading.enumerate():  # what finalization's threading._shutdown waits for
         if t is not threading.current_thread() and not t.daemon and t.is_alive():
             t.join()
+    exit_rank.ending = True  # the atexit teardown keeps the held process groups: os._exit follows
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -150,14 +152,45 @@ def exit_rank(code: int | None):
     os._exit(0 if code is None else code if isinstance(code, int) else 1)  # as sys.exit reads it
 
 
+_HELD_GROUPS: list = []  # every process group this process made, never released (hold_process_groups)
+
+
+def hold_process_groups() -> None:
+    """Keep a reference to every registered process group until the process is gone, so no c10d ProcessGroupGloo
+    destructor ever runs inside a rank: not when the last holder lets go (DDP's Reducer, a DeepSpeed engine), nor in
+    the interpreter finalization of a script that exits normally (the reference is leaked on purpose; its idle gloo
+    workers end with the process). Idempotent; make_accelerator, the step loop (after `prepare`, once DeepSpeed made
+    its groups) and end_process_group call it.
+
+    The destructor joins the group's gloo worker threads while its caller holds the GIL, and a worker that is
+    still releasing a finished collective's Python-made tensors needs the GIL: a deadlock. Caught under gdb here
+    (2 DDP ranks over gloo, a save that failed on a full disk; 4 of 77 launches on the 2-core host with three busy
+    processes beside them, benchmarks/failed_save_exit.py): destroy_process_group had unregistered the group, DDP's Reducer still held it, and
+    when the run's frames were freed rank 1 sat in ~ProcessGroupGloo -> std::thread::join while its
+    pt_gloo_runloop thread sat in ~AsyncBroadcastWork -> TensorImpl::decref_pyobject -> take_gil, until torchrun
+    SIGKILLed it 30 s after rank 0 had left. accelerate's end_training destroys the group the same way, with the
+    model still alive."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed.distributed_c10d import _world
+
+    for pg in list(_world.pg_map):
+        if all(pg is not held for held in _HELD_GROUPS):
+            _HELD_GROUPS.append(pg)
+
+
 def end_process_group(barrier: bool = True) -> None:
     """Destroy the default process group now, after a barrier (every rank calls it at the end of a run), so no
-    rank leaves while another still talks to it. Idempotent."""
+    rank leaves while another still talks to it. The groups' C++ objects are held (hold_process_groups) and end
+    with the process. Idempotent."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         if barrier:
             dist.barrier()
+        hold_process_groups()
         dist.destroy_process_group()
 
 
@@ -167,12 +200,25 @@ def end_process_group_at_exit() -> None:
     Python objects; destroying them then takes the GIL of a dying interpreter and the rank dies of SIGABRT
     ("terminate called without an active exception") after training finished — the exit race of a 2-rank
     Trainer run (pytorch/pytorch#179291 describes the mechanism). No barrier here: on an error exit the other
-    ranks may be gone. Registered once per process by make_accelerator; a Trainer script calls it itself."""
+    ranks may be gone. Registered once per process by make_accelerator; a Trainer script calls it itself.
+
+    Under exit_rank the groups stay held (hold_process_groups) and end with os._exit. On a normal exit they are
+    released here, so their destructors join the gloo workers before finalization rather than in it: held into
+    finalization (in a list, or leaked), the Trainer ending of tests/test_exit.py lost a rank to SIGABRT within its
+    first 2 launches."""
     import atexit
 
     if not getattr(end_process_group_at_exit, "registered", False):
-        atexit.register(end_process_group, barrier=False)
+        atexit.register(_teardown_at_exit)
         end_process_group_at_exit.registered = True
+
+
+def _teardown_at_exit() -> None:
+    end_process_group(barrier=False)
+    if not getattr(exit_rank, "ending", False):
+        _HELD_GROUPS.clear()
+
+
 def enable_fsdp_on_cpu(environ, precision: str | None = None):
     """Build accelerate's state for an FSDP2 launch on a CPU-only host, before `Accelerator()`.
 

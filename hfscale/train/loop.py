@@ -299,6 +299,9 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
     from .preempt import Preempted, StopRequest
     from .state import fault
 
+    from ..scale.runtime import hold_process_groups
+
+    hold_process_groups()  # the groups `prepare` made (DeepSpeed's) live until exit_rank: none is destroyed in-process
     own = stop is None
     stop = stop or StopRequest().install()
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None

@@ -8,7 +8,8 @@ the step loop and the checkpoint writer call; production code reads no environme
 sends that rank SIGUSR1 there instead (the ranks agree on the stop in the next step's collective).
 `record@DIR` (alone or after a comma) appends every sequence index each rank reads, as
 `{"step", "rank", "world", "idx"}` lines, to DIR/indices.jsonl (the data order the resume tests compare), and
-each rank's exit status to DIR/exit_rank{RANK}.txt (the launcher reports only its own)."""
+each rank's exit status to DIR/exit_rank{RANK}.txt (the launcher reports only its own). `unheld` turns
+hfscale.scale.runtime.hold_process_groups off (benchmarks/failed_save_exit.py measures the deadlock it prevents)."""
 
 import json
 import os
@@ -31,6 +32,10 @@ def kill_at(point, step, rank):
 
 
 FAULT_HOOKS.append(kill_at)
+if "unheld" in specs:
+    import hfscale.scale.runtime as runtime
+
+    runtime.hold_process_groups = lambda: None  # looked up at call time by every caller
 record = next((s[len("record@"):] for s in specs if s.startswith("record@")), None)
 if record:
     plain = batching.rank_indices
