@@ -174,11 +174,9 @@ def full_size_check() -> list[dict]:
     Llama-3.1-8B, bf16, CUDA's attention kernels, full checkpointing, ALST's slices, with and without the activation
     offload (traced as save_on_cpu moves tensors off a GPU, trace._FakeHost): non-state bytes (activations +
     temporaries) per phase, the trace's at 2 and 3 layers extrapolated."""
-    import torch
     from transformers import LlamaConfig
 
     from hfscale.models.dims import dims_from_config
-    from hfscale.plan.kernels import cuda_attention
     from hfscale.plan.long_context import alst_levers, phase_bytes
     from hfscale.plan.memory import Strategy
     from hfscale.plan.trace import phase_trace

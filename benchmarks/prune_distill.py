@@ -26,7 +26,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import sys
 import tempfile
 import time

@@ -92,7 +92,6 @@ def per_shape_attention(core, group, micro_batch: int, core_name: str | None = N
     """An attention function for transformers' registry that runs `core` under Ulysses with DeepSpeed's
     UlyssesSPAttentionHF sized for each call's heads (one instance per (q heads, K/V heads, head size)); masks
     are dropped as DeepSpeed's own wrapper drops them (flex_attention's BlockMask kept)."""
-    import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     made: dict = {}
