@@ -164,8 +164,8 @@ def hold_process_groups() -> None:
 
     The destructor joins the group's gloo worker threads while its caller holds the GIL, and a worker that is
     still releasing a finished collective's Python-made tensors needs the GIL: a deadlock. Caught under gdb here
-    (2 DDP ranks over gloo, a save that failed on a full disk; 4 of 77 launches on the 2-core host with three busy
-    processes beside them, benchmarks/failed_save_exit.py): destroy_process_group had unregistered the group, DDP's Reducer still held it, and
+    (2 DDP ranks over gloo, a save that failed on a full disk; 3 of 60 launches on the 2-core host with three busy
+    processes beside them, 0 of 100 with the groups held: benchmarks/results/failed_save_exit.md): destroy_process_group had unregistered the group, DDP's Reducer still held it, and
     when the run's frames were freed rank 1 sat in ~ProcessGroupGloo -> std::thread::join while its
     pt_gloo_runloop thread sat in ~AsyncBroadcastWork -> TensorImpl::decref_pyobject -> take_gil, until torchrun
     SIGKILLed it 30 s after rank 0 had left. accelerate's end_training destroys the group the same way, with the
