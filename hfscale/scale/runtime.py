@@ -152,20 +152,20 @@ def exit_rank(code: int | None):
     os._exit(0 if code is None else code if isinstance(code, int) else 1)  # as sys.exit reads it
 
 
-_HELD_GROUPS: list = []  # every process group this process made, never released (hold_process_groups)
+_HELD_GROUPS: list = []  # every process group this process made (hold_process_groups)
 
 
 def hold_process_groups() -> None:
-    """Keep a reference to every registered process group until the process is gone, so no c10d ProcessGroupGloo
-    destructor ever runs inside a rank: not when the last holder lets go (DDP's Reducer, a DeepSpeed engine), nor in
-    the interpreter finalization of a script that exits normally (the reference is leaked on purpose; its idle gloo
-    workers end with the process). Idempotent; make_accelerator, the step loop (after `prepare`, once DeepSpeed made
-    its groups) and end_process_group call it.
+    """Keep a reference to every registered process group, so that no c10d ProcessGroupGloo destructor runs when
+    its last other holder lets go (DDP's Reducer, a DeepSpeed engine): under exit_rank the groups end with os._exit;
+    on a normal exit the atexit teardown (end_process_group_at_exit) releases them before finalization. Idempotent;
+    make_accelerator, the step loop (after `prepare`, once DeepSpeed made its groups) and end_process_group call it.
 
     The destructor joins the group's gloo worker threads while its caller holds the GIL, and a worker that is
     still releasing a finished collective's Python-made tensors needs the GIL: a deadlock. Caught under gdb here
     (2 DDP ranks over gloo, a save that failed on a full disk; 3 of 60 launches on the 2-core host with three busy
-    processes beside them, 0 of 100 with the groups held: benchmarks/results/failed_save_exit.md): destroy_process_group had unregistered the group, DDP's Reducer still held it, and
+    processes beside them, 0 of 100 with the groups held: benchmarks/results/failed_save_exit.md):
+    destroy_process_group had unregistered the group, DDP's Reducer still held it, and
     when the run's frames were freed rank 1 sat in ~ProcessGroupGloo -> std::thread::join while its
     pt_gloo_runloop thread sat in ~AsyncBroadcastWork -> TensorImpl::decref_pyobject -> take_gil, until torchrun
     SIGKILLed it 30 s after rank 0 had left. accelerate's end_training destroys the group the same way, with the
