@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/step_peak.py            # -> benchmarks/results/step_peak.{md,json}
 
-1. One process, 12 transformers families (tiny configs from hfscale.testing.zoo) in fp32 / bf16 (DeepSpeed's
+1. One process, 13 transformers families (tiny configs from hfscale.testing.zoo) in fp32 / bf16 (DeepSpeed's
    layout: bf16 weights + fp32 master) / bf16 autocast / pure bf16, checkpointing off / full / every:2,
    micro batch 1-4, LoRA, accumulation: real steps measured with torch's MemTracker
    (`trace.measure_steps`, each row in a fresh process) against `peak.step_prediction` (the plan's path:
@@ -231,7 +231,7 @@ def markdown(res: dict) -> str:
     lines = ["# Step peak: plan vs measured (benchmarks/step_peak.py)\n",
              f"Host: {h['cores']} cores, torch CPU capability {h['cpu_capability']}, bf16 flags {h['bf16_flags'] or 'none'}, "
              f"torch {h['torch']}. Memory is counted by torch's MemTracker on CPU (no allocator caching); CUDA is not measured.\n",
-             "## One process: 12 families, measured real steps vs `prediction` (fake-tensor trace, the plan's path)\n",
+             "## One process: 13 families, measured real steps vs `prediction` (fake-tensor trace, the plan's path)\n",
              "| arch | micro x seq | precision | checkpointing | extra | measured steady MiB | predicted | err | step 1 measured | predicted | err | worst phase err (steady / step 1) | accelerate est. | DeepSpeed est. (1 GPU) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in res["rows"]:
