@@ -24,33 +24,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-FAST = ["--seq-len", "64", "--global-batch-tokens", "512", "--micro-batch", "2", "--eval-blocks", "8", "--eval-every", "0",
-        "--progress", "false", "--max-train-blocks", "400", "--warmup-steps", "2"]
 
 
 def launch(work: Path, held: bool) -> tuple[list[str | None], float, bool]:
-    """One full-disk launch: each rank's recorded status (None: never recorded), seconds, whether torchrun had to
-    SIGKILL a rank that ignored its SIGTERM."""
-    from hfscale.proofs.engine import free_port
+    """One full-disk launch (tests/test_recipe.py's launch and arguments): each rank's recorded status (None: never
+    recorded), seconds, whether torchrun had to SIGKILL a rank that ignored its SIGTERM."""
+    from tests.test_recipe import launch as launch_recipe
 
     mnt = work / "small"
     mnt.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=56m", "tmpfs", str(mnt)], check=True)
     try:
-        spec = f"record@{work}" + ("" if held else ",unheld")
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
-               "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
-               str(ROOT / "tests" / "scripts" / "faulty_recipe.py"), spec, str(ROOT / "recipes" / "train_clm.py"),
-               "--config", str(ROOT / "recipes" / "tiny" / "train.yaml"), "--output-dir", str(mnt / "run"), *FAST,
-               "--max-steps", "3", "--save-every", "1", "--keep-last", "2"]
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-                           env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        _, log = launch_recipe("ddp.yaml", mnt / "run", "--max-steps", "3", "--save-every", "1", "--keep-last", "2",
+                               fault=f"record@{work}" + ("" if held else ",unheld"), check=False, log_dir=work)
         seconds = time.perf_counter() - t0
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
     status = [(work / f"exit_rank{i}.txt").read_text() if (work / f"exit_rank{i}.txt").exists() else None for i in (0, 1)]
-    return status, seconds, "forcefully exiting via 9" in r.stdout + r.stderr
+    return status, seconds, "forcefully exiting via 9" in log
 
 
 def main(argv=None) -> int:
