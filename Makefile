@@ -13,7 +13,7 @@ STAMP := $(VENV)/.hfscale-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast configs clean
+.PHONY: install demo test test-fast test-avx2 configs clean
 
 install: $(STAMP)
 
@@ -48,6 +48,13 @@ test: install
 # a few minutes: no multi-process launch, no fixture training, no llama.cpp / ExecuTorch / real-step subprocess
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not engine and not slow" --durations=10
+
+# The suite as a 2-core AVX2 host (AMD EPYC class) runs it, on an AVX512 machine: torch's AVX2 kernels, oneDNN capped
+# at AVX2 (bf16 emulated), hfscale's precision `auto` as without native bf16, and MKL on its SSE4.2 path, the one
+# whose alignment-dependent gemv rounding AMD hosts showed (docs/install.md: what it reproduces, how its times compare)
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=SSE4_2 HFSCALE_NATIVE_BF16=0
+test-avx2: install
+	$(AVX2_ENV) $(PY) -m pytest -q -ra --durations=30
 
 # Regenerate every shipped config from the CLI (the tests fail on drift from this).
 configs: install

@@ -18,6 +18,7 @@ import pytest
 from hfscale.util.atomic import STAGE_PREFIX
 from hfscale.util.errors import ConfigError
 from hfscale.scale.checkpointing import checkpointed_layers, resolve
+from hfscale.testing.aligned import load_owned
 from hfscale.train.batching import plan_batch, rank_indices
 from hfscale.train.config import TrainConfig, load_recipe
 from hfscale.train.metrics import read_records
@@ -214,7 +215,7 @@ def test_checkpoint_info_export_and_their_refusals(one_process_run, tmp_path, cl
     mine, theirs = load_file(tmp_path / "fp32" / "model.safetensors"), load_file(ckpt / "model.safetensors")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     ids = torch.randint(4, 4096, (1, 16), generator=torch.Generator().manual_seed(0))
-    a = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").eval()
+    a = load_owned(tmp_path / "fp32")  # aligned like b's weights: the same kernels on every host (testing.aligned)
     b = AutoModelForCausalLM.from_config(a.config).eval()
     b.load_state_dict(theirs, strict=False)
     b.tie_weights()
@@ -694,7 +695,7 @@ def assert_export_matches_zero_to_fp32(ckpt: Path, out: Path) -> None:
         theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model")
     assert set(theirs) - set(mine) == {"lm_head.weight"}  # tied to embed_tokens: stored once, as transformers does
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
-    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    model = load_owned(out)  # aligned like ref's weights: the same kernels on every host (testing.aligned)
     ref = AutoModelForCausalLM.from_config(model.config).eval()
     ref.load_state_dict(theirs)
     ids = torch.randint(4, 4096, (2, 32), generator=torch.Generator().manual_seed(0))

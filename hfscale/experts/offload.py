@@ -15,8 +15,9 @@ Bit-identical logits: per expert the same `F.linear` calls on the same rows (in 
 transformers' eager loop gathers them) with a contiguous [2I, H] / [H, I] matrix equal to the slice
 `gate_up_proj[e]`, and the expert outputs are added to the result in ascending expert order as the
 eager loop adds them, whatever order they were computed in. So fp32 logits equal the fully loaded
-model's with transformers' eager experts implementation, bit for bit (tests/test_experts.py:
-torch.equal, Gemma 4 MoE and Mixtral, both readers, prefill and decode, CPU). transformers' default,
+model's with transformers' eager experts implementation, bit for bit, when both hold their weights at the
+same alignment (tests/test_experts.py: torch.equal, Gemma 4 MoE and Mixtral, both readers, prefill and decode,
+CPU, also under MKL_ENABLE_INSTRUCTIONS=SSE4_2; why alignment matters: hfscale/testing/aligned.py). transformers' default,
 `grouped_mm`, sums the top-k outputs in another order: on the tiny Gemma 4 MoE its logits differ from
 eager's (and so from ours) by up to 1.9e-5 (fp32 rounding).
 """
