@@ -12,17 +12,13 @@ import pytest
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    from hfscale.compress.evaluate import calibration_blocks
-    from hfscale.compress.prune import PruneTarget, prune
-    from hfscale.compress.save import save_model_dir
     from hfscale.export import export_gguf, export_pte
-    from hfscale.models import build_model, load_tokenizer, save_pretrained_dir
+    from hfscale.models import save_pretrained_dir
+    from hfscale.testing.pruned import one_layer_tiny
 
     d = tmp_path_factory.mktemp("bench")
     save_pretrained_dir("tiny-gemma3", d / "teacher")
-    tok = load_tokenizer("tiny-gemma3")
-    small, _ = prune(build_model("tiny-gemma3").eval(), PruneTarget(layers=1), calibration_blocks(tok, 2, 32))
-    save_model_dir(small, d / "one_layer", tokenizer=tok)  # a 1-layer model lowers to .pte quickly
+    one_layer_tiny(d / "one_layer")  # a 1-layer model lowers to .pte quickly
     export_gguf(str(d / "teacher"), d / "teacher-Q4_0.gguf", "Q4_0", verify=False, progress=False)
     export_pte(str(d / "one_layer"), d / "one_layer.pte", "fp32", max_seq_len=32, verify=False, progress=False)
     return d
