@@ -71,6 +71,8 @@ def test_plan_matches_ranks_of_real_engines(config, tmp_path, cli):
     for r in ranks:
         assert r["engine"] == ("MULTI_CPU" if config == "ddp" else "deepspeed")
         assert r["zero"] == {"ddp": 0, "zero3": 3, "zero2_offload": 2}[config]
+        # make_optimizer's fused AdamW inside the engine's wrappers; offload runs DeepSpeed's CPU Adam (in place)
+        assert r["adamw"] == ("DeepSpeedCPUAdam" if config == "zero2_offload" else "fused")
         assert abs(r["error"]["peak"]) < 1e-4, r
         assert abs(r["error"]["peak_step1"]) < 5e-3, r
     if config == "ddp":  # DDP's first buckets are invisible to MemTracker: read from DDP, one gradient copy

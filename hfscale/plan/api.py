@@ -299,6 +299,9 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
         raise HfscaleError(f"--kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
     if kernels is not None and method == "fast":
         raise HfscaleError("--kernels chooses the traced attention kernels and --fast traces nothing; drop one")
+    if optimizer != "adamw" and adamw != DEFAULT_ADAMW:  # a choice that would be ignored is refused
+        raise HfscaleError(f"--adamw {adamw} chooses torch AdamW's implementation, and --optimizer {optimizer} is not "
+                           "AdamW; drop --adamw or use --optimizer adamw")
     kernels = kernels or ("cuda" if hardware is not None else "cpu")
     from .planner import ENGINES
 

@@ -151,9 +151,10 @@ def _materialize_fake(model):
 
 class _Optimizer:
     """AdamW as the precision runs it; bf16 keeps fp32 master copies and steps those, their fp32 gradients
-    counted as gradients. `adamw`: torch's implementation, which decides the step's temporaries: fused
-    (transformers Trainer's default; like DeepSpeed's one-kernel step), foreach (torch's default on CUDA:
-    whole-list intermediates) or forloop (torch's default on CPU: one parameter's intermediates at a time)."""
+    counted as gradients. `adamw`: torch's implementation (hfscale.scale.optim), which decides the step's
+    temporaries: fused (what the recipes build and transformers Trainer's default; like DeepSpeed's one-kernel
+    step), foreach (torch's default on CUDA: whole-list intermediates) or forloop (torch's default on CPU: one
+    parameter's intermediates at a time)."""
 
     def __init__(self, model, precision: str, adamw: str = DEFAULT_ADAMW):
         import torch
