@@ -65,6 +65,7 @@ def main(argv=None) -> int:
 
 def train(cfg, force, pre) -> int:
     from hfscale.models import build_model, load_tokenizer
+    from hfscale.scale.optim import adamw_impl
     from hfscale.scale.runtime import make_optimizer
     from hfscale.train.distill import gather_shares, heldout_kl, kd_loss_fn, load_teacher
     from hfscale.train.loop import evaluate, load_blocks, resume_from, start_run, train_steps
@@ -83,7 +84,7 @@ def train(cfg, force, pre) -> int:
 
     # --- models: trainable student, frozen teacher (replicated, or partitioned by its own ZeRO-3 engine) ---
     model = build_model(cfg.model, seed=cfg.seed)
-    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw=cfg.adamw)
     model, optimizer = accelerator.prepare(model, optimizer)
     teacher = load_teacher(cfg.teacher, accelerator.device, cfg.teacher_placement)
     n_student = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
@@ -93,7 +94,8 @@ def train(cfg, force, pre) -> int:
         "ZeRO-3: per rank " + ", ".join(f"{s.numel:,}" for s in shares) + " elements"
     if main_rank:
         print(f"[distill_clm] student {cfg.model}: {n_student:,} params; teacher {cfg.teacher}: {n_teacher:,} params "
-              f"(frozen, {held}); KL weight {1 - cfg.ce_weight:g} at T={cfg.temperature:g}, CE weight {cfg.ce_weight:g}")
+              f"(frozen, {held}); KL weight {1 - cfg.ce_weight:g} at T={cfg.temperature:g}, CE weight {cfg.ce_weight:g}; "
+              f"AdamW {adamw_impl(optimizer)}")
     start = resume_from(accelerator, resume, "distill_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "teacher": cfg.teacher, "model_fingerprint": model_fingerprint(pre.model_config),

@@ -70,6 +70,7 @@ def train(cfg, force, pre) -> int:
     from hfscale.compress.qat import distillation_loss
     from hfscale.compress.schemes import QuantSpec
     from hfscale.models import build_model, load_tokenizer
+    from hfscale.scale.optim import adamw_impl
     from hfscale.scale.runtime import make_optimizer
     from hfscale.train.loop import evaluate, lm_loss, load_blocks, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
@@ -99,13 +100,13 @@ def train(cfg, force, pre) -> int:
 
         loss_fn = distill_loss
 
-    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw=cfg.adamw)
     model, optimizer = accelerator.prepare(model, optimizer)
     if main_rank:
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         print(f"[qat_clm] {cfg.model} fake-quantized for {spec.scheme} (group {spec.group_size or 'per-channel'}), "
               f"{trainable:,} trainable params{' (LoRA r=' + str(cfg.lora_rank) + ')' if cfg.lora_rank else ''}, "
-              f"distill {cfg.distill}")
+              f"distill {cfg.distill}, AdamW {adamw_impl(optimizer)}")
     start = resume_from(accelerator, resume, "qat_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config), "world": plan.world,

@@ -75,6 +75,7 @@ def check_parallel(cfg, pre):
 
 def train(cfg, force, pre, parallel) -> int:
     from hfscale.models import build_model, load_tokenizer
+    from hfscale.scale.optim import adamw_impl
     from hfscale.scale.runtime import make_optimizer
     from hfscale.scale.checkpointing import apply_checkpointing_
     from hfscale.scale.long_context import apply_levers_, with_levers
@@ -115,7 +116,7 @@ def train(cfg, force, pre, parallel) -> int:
             use_window_sdpa()
     layers = apply_checkpointing_(model, cfg.checkpointing, pre.launch.fsdp_checkpoints_all)
     levers = apply_levers_(model, cfg.levers)  # long context: tiled loss / MLP / RMSNorm (docs/long_context.md)
-    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw=cfg.adamw)
     with per_layer_heads(model):  # Ulysses on layers of different head shapes (Gemma 4); else nothing
         model, optimizer = accelerator.prepare(model, optimizer)
     if parallel.sp > 1:
@@ -123,7 +124,8 @@ def train(cfg, force, pre, parallel) -> int:
     loss_fn = with_levers(loss_fn, cfg.levers, model)  # activation offload around the forward
     if main_rank:
         print(f"[train_clm] {cfg.model}: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} params, "
-              f"{len(train_blocks):,} train / {len(val_blocks)} eval sequences, checkpointed layers {layers or 'none'}"
+              f"{len(train_blocks):,} train / {len(val_blocks)} eval sequences, checkpointed layers {layers or 'none'}, "
+              f"AdamW {adamw_impl(optimizer)}"
               + (f"; {', '.join(levers)}" if levers else ""))
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)

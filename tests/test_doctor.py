@@ -96,6 +96,15 @@ CASES = [
     ("launch-shape", Setup(accelerate={**ACC3, "machine_rank": 1}), Setup(accelerate={**ACC3, "machine_rank": 0})),
     ("non-finite-number", Setup(deepspeed=ds(gradient_clipping=float("nan"))), Setup(deepspeed=ds(gradient_clipping=1.0))),
     ("non-finite-number", Setup(args={"learning_rate": float("inf")}), Setup(args={"learning_rate": 3.0e-4})),
+    # the AdamW that will run against the one planned (fused unless --adamw): Trainer's optim (adamw_torch names no
+    # implementation: foreach on CUDA), a recipe's adamw, DeepSpeed's own (torch_adam: torch's default; offload:
+    # its CPU Adam, in place like fused)
+    ("adamw-not-planned", Setup(args={"optim": "adamw_torch"}), Setup(args={"optim": "adamw_torch_fused"})),
+    ("adamw-not-planned", Setup(args={"bf16": True}, planned_adamw="foreach"),
+     Setup(args={"bf16": True, "optim": "adamw_torch"}, planned_adamw="foreach")),
+    ("adamw-not-planned", Setup(args={"seq_len": 128, "adamw": "forloop"}), Setup(args={"seq_len": 128})),
+    ("adamw-not-planned", Setup(deepspeed=ds(optimizer={"type": "AdamW", "params": {"torch_adam": True}})),
+     Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "cpu"}, optimizer={"type": "AdamW"}))),
 ]
 
 

@@ -262,11 +262,13 @@ def test_cli_pick_and_write(tmp_path, cli):
     assert png.read_bytes()[:4] == b"\x89PNG"
     args = (out / "training_args.yaml").read_text()
     assert f"gradient_accumulation_steps: {pick['grad_accum']}" in args
-    # the written set passes doctor
+    # the AdamW the plan assumed, for Trainer and for the recipe
+    assert res["adamw"] == "fused" and "optim: adamw_torch_fused" in args and "adamw: fused" in (out / "recipe.yaml").read_text()
+    # the written set passes doctor, the AdamW check included
     from hfscale.doctor import check
 
-    errors = [f for f in check(accelerate=out / "plan.yaml", args=out / "training_args.yaml", num_processes=16) if f.severity == "error"]
-    assert errors == []
+    found = check(accelerate=out / "plan.yaml", args=out / "training_args.yaml", num_processes=16)
+    assert [f for f in found if f.severity == "error"] == [] and "adamw-not-planned" not in {f.code for f in found}
 
 
 def test_nothing_fits_says_by_how_much(cli):

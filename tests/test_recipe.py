@@ -171,6 +171,7 @@ def one_process_run(tmp_path_factory):
                    "--data", base / "train.jsonl", "--validation", base / "val.parquet")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "1 ranks × 64 = 512 tokens/step" in r.stdout
+    assert "AdamW fused" in r.stdout  # the start line names the implementation the plan traces
     return out
 
 
@@ -335,6 +336,7 @@ def assert_trained_saved_reloads(out: Path, log: str, distributed: str, steps: i
     from hfscale.train.state import saved_numel
 
     assert f"DistributedType.{distributed} world 2: 2 micro × 2 accum × 2 ranks × 64 = 512 tokens/step" in log
+    assert "AdamW fused" in log  # the implementation the plan traces (make_optimizer; the engine's wrappers inside)
     train = read_records(out / "metrics.jsonl")
     assert sorted(train) == list(range(1, steps + 1))
     assert train[steps]["loss"] < train[1]["loss"] - 0.3  # it learns (lr 3e-3: ~8.3 -> ~7 in 6 steps)

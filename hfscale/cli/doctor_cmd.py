@@ -6,6 +6,8 @@ import json
 
 
 def add_parser(sub):
+    from ..scale.optim import ADAMW
+
     p = sub.add_parser(
         "doctor",
         help="check accelerate / DeepSpeed / TrainingArguments / model for mistakes before launching",
@@ -21,6 +23,9 @@ def add_parser(sub):
     p.add_argument("--num-processes", type=int)
     p.add_argument("--num-machines", type=int)
     p.add_argument("--gpus-per-machine", type=int)
+    p.add_argument("--adamw", default="fused", choices=ADAMW,
+                   help="the AdamW implementation the plan assumed (hfscale plan --adamw; default %(default)s): a "
+                   "Trainer optim, DeepSpeed optimizer or recipe adamw running another is a warning")
     p.add_argument("--json", action="store_true", help="print the findings as a JSON list")
     p.add_argument("--max-findings", type=int, default=50,
                    help="list at most this many findings, then count the rest (0: all; default: %(default)s)")
@@ -52,7 +57,7 @@ def run(args) -> int:
         cpu_launch = not torch.cuda.is_available()
         findings = check(args.accelerate, args.deepspeed, args.args, args.model, args.num_processes, args.num_machines,
                          args.gpus_per_machine, host_bf16=bf16_support("cpu") if cpu_launch else None,
-                         cpu_launch=cpu_launch)
+                         cpu_launch=cpu_launch, planned_adamw=args.adamw)
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)

@@ -22,6 +22,7 @@ def add_parser(sub):
     import argparse
 
     from ..plan.memory import OPTIMIZER_STATE_BYTES, QUANT_BYTES_PER_PARAM
+    from ..scale.optim import ADAMW, DEFAULT_ADAMW
     from ..scale.spec import DEVICES, ZERO_STAGES
 
     p = sub.add_parser("plan", help="predict training memory and pick the cheapest strategy that fits",
@@ -42,6 +43,10 @@ def add_parser(sub):
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all GPUs given, else 1)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATE_BYTES))
+    p.add_argument("--adamw", default=DEFAULT_ADAMW, choices=ADAMW,
+                   help="torch AdamW's implementation your loop runs, traced in the optimizer step (default fused: what "
+                   "hfscale's recipes build and Trainer's default; foreach: torch's default on CUDA when none is named; "
+                   "forloop: torch's default on CPU)")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa/flash (default) or eager")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (peft, all decoder linears); 0 = full fine-tuning")
     p.add_argument("--base-bits", type=int, default=16, choices=[16, 4], help="4 = QLoRA (NF4 base)")
@@ -129,7 +134,7 @@ def run(args) -> int:
                   attention=args.attention, lora_rank=args.lora_rank, base_bits=args.base_bits, sp=args.sp, tp=args.tp,
                   cp=args.cp, hardware=hw, global_batch_tokens=args.global_batch_tokens,
                   method="trace" if args.trace else "fast" if args.fast else "auto", kernels=args.kernels,
-                  serving=serving, engine=args.engine,
+                  serving=serving, engine=args.engine, adamw=args.adamw,
                   engines=None if args.engines is None else [e.strip() for e in args.engines.split(",") if e.strip()],
                   progress=not args.json)
     if args.json:
@@ -148,7 +153,8 @@ def run(args) -> int:
             raise HfscaleError("nothing fits, so there is no pick to write; " + result.nothing_fits)
         from ..plan.write import write_plan
 
-        for f in write_plan(result.pick, hw, Path(args.write), force=args.force, model=args.model, seq_len=args.seq_len):
+        for f in write_plan(result.pick, hw, Path(args.write), force=args.force, model=args.model, seq_len=args.seq_len,
+                            adamw=result.adamw):
             if not args.json:
                 print(f"wrote {f}")
     return 1 if hw is not None and result.pick is None else 0
@@ -159,7 +165,8 @@ def _lines(r) -> list[str]:
     from ..plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION
 
     p, s = r.prediction, r.strategy
-    out = [f"{r.model}: {p.params / 1e9:.3f}B parameters; {s.label}, dp {s.dp}, seq {s.seq_len}, {s.precision}"]
+    out = [f"{r.model}: {p.params / 1e9:.3f}B parameters; {s.label}, dp {s.dp}, seq {s.seq_len}, {s.precision}"
+           + (f", AdamW {r.adamw}" if s.optimizer == "adamw" else "")]
     if p.source == "trace":
         t = p.trace
         out.append(f"step peak GB {_gb(p.peak)} in {p.peak_phase} (step 1: {_gb(p.peak_step1)}); phases steady / step 1: "

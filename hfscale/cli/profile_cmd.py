@@ -19,6 +19,7 @@ exit codes: 0 written, 2 bad input (one line, nothing written)
 def add_parser(sub):
     import argparse
 
+    from ..scale.optim import ADAMW, DEFAULT_ADAMW
     from ..util.hosts import PRECISION_CHOICES
 
     p = sub.add_parser("profile", help="measure memory over real training steps (per rank, by kind and phase)",
@@ -34,6 +35,8 @@ def add_parser(sub):
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--checkpointing", default="off", help="off | full | every:K")
+    p.add_argument("--adamw", default=DEFAULT_ADAMW, choices=ADAMW,
+                   help="torch AdamW's implementation (default %(default)s: what the recipes build and the plan assumes)")
     p.add_argument("--precision", default="auto", choices=PRECISION_CHOICES,
                    help="auto (default): the launch's precision, fp32 where this host emulates bf16; launch / bf16 / fp16 / fp32")
     p.add_argument("--no-predict", action="store_true", help="skip the plan's traced prediction")
@@ -78,7 +81,7 @@ def run(args) -> int:
     out = Path(args.out)
     check_writable({out: "--out"}, args.force, inputs={args.model: "--model", **({args.config: "--config"} if args.config else {})})
     extra = ["--model", args.model, "--steps", str(args.steps), "--micro-batch", str(args.micro_batch),
-             "--seq-len", str(args.seq_len), "--checkpointing", args.checkpointing]
+             "--seq-len", str(args.seq_len), "--checkpointing", args.checkpointing, "--adamw", args.adamw]
     stage = begin_stage(out, directory=True)
     try:
         if args.config:
@@ -90,7 +93,7 @@ def run(args) -> int:
         name = Path(args.config).stem if args.config else "1 process"
         rows = write_report(stage, reports, None if args.no_predict else config,
                             f"{args.model}, {name}, micro batch {args.micro_batch} x {args.seq_len}, "
-                            f"{reports[0]['precision']}, checkpointing {args.checkpointing}")
+                            f"{reports[0]['precision']}, checkpointing {args.checkpointing}, AdamW {reports[0]['adamw']}")
         commit(stage, out)
     except BaseException:
         discard(stage)
@@ -100,7 +103,7 @@ def run(args) -> int:
         return 0
     for row in rows:
         m, p = row["measured"], row.get("predicted")
-        line = (f"rank {row['rank']}/{row['world']} {row['engine']} zero {row['zero']} {row['precision']}: "
+        line = (f"rank {row['rank']}/{row['world']} {row['engine']} zero {row['zero']} {row['precision']} AdamW {row['adamw']}: "
                 f"steady peak {m['peak'] / 2**20:.2f} MiB in {m['peak_phase']}, step 1 {m['peak_step1'] / 2**20:.2f} MiB")
         if p:
             host = f" + {p['offloaded_per_rank'] / 2**20:.2f} MiB offloaded" if row["compared"] != "device" else ""

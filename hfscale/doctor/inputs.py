@@ -32,6 +32,7 @@ class Setup:
     # launch runs on this host's CPU
     host_bf16: object | None = None  # hfscale.util.hosts.Bf16Support
     cpu_launch: bool = False
+    planned_adamw: str = "fused"  # the AdamW implementation the plan assumed (hfscale plan --adamw)
     notes: list = field(default_factory=list)
 
 
@@ -43,11 +44,12 @@ def _read(source, kind: str, label: str | None) -> tuple[dict, str]:
 
 
 def load_setup(accelerate=None, deepspeed=None, args=None, model=None, num_processes=None, num_machines=None,
-               gpus_per_machine=None, labels: dict | None = None, host_bf16=None, cpu_launch: bool = False) -> Setup:
+               gpus_per_machine=None, labels: dict | None = None, host_bf16=None, cpu_launch: bool = False,
+               planned_adamw: str = "fused") -> Setup:
     """Each of accelerate / deepspeed / args is a path or a mapping (then `labels[name]` says where it came from)."""
     labels = labels or {}
     s = Setup(num_processes=num_processes, num_machines=num_machines, gpus_per_machine=gpus_per_machine,
-              host_bf16=host_bf16, cpu_launch=cpu_launch)
+              host_bf16=host_bf16, cpu_launch=cpu_launch, planned_adamw=planned_adamw)
     if accelerate:
         s.accelerate, s.accelerate_file = _read(accelerate, "accelerate config", labels.get("accelerate"))
     if args:

@@ -28,6 +28,7 @@ import functools
 from dataclasses import dataclass, field, replace
 
 from ..util.errors import HfscaleError
+from ..scale.optim import DEFAULT_ADAMW
 from .memory import Strategy
 from .planner import Candidate, Hardware, candidates, pick, shortfall
 from .prediction import Prediction, from_analytic, from_trace
@@ -68,10 +69,15 @@ class Plan:
     moe_serving: object = None  # moe_serving.MoEServing for an MoE model with `serving`
     notes: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def adamw(self) -> str:
+        """torch AdamW's implementation the plan assumed (its step's temporaries are in the traced peak)."""
+        return self.strategy.adamw
+
     def to_dict(self) -> dict:
         """`hfscale plan --json`."""
         out = {"model": self.model, "params": self.prediction.params, "strategy": self.strategy.label,
-               "prediction": self.prediction.to_dict()}
+               "adamw": self.adamw, "prediction": self.prediction.to_dict()}
         if self.inference is not None:
             out["inference"] = self.inference
         if self.moe_serving is not None:
@@ -89,8 +95,8 @@ class Plan:
 class _Predictor:
     """One strategy -> one Prediction, by the method asked; the one place a Prediction is made for a plan."""
 
-    def __init__(self, model: str, shape, method: str, kernels: str):
-        self.model, self.shape, self.method, self.kernels = model, shape, method, kernels
+    def __init__(self, model: str, shape, method: str, kernels: str, adamw: str = DEFAULT_ADAMW):
+        self.model, self.shape, self.method, self.kernels, self.adamw = model, shape, method, kernels, adamw
         self._config = None
         self.failed: str | None = None  # the first trace error under "auto" (then the analytic terms answer)
 
@@ -119,6 +125,8 @@ class _Predictor:
         `skip`: a reason not to trace this candidate (used where the model has analytic formulas)."""
         from .trace import TraceError
 
+        if s.adamw != self.adamw:  # the planner's candidates run the AdamW the plan was asked for
+            s = replace(s, adamw=self.adamw)
         why = self.why_analytic(s)
         if why is None and self.shape.dims is not None and (gpu_mem is not None or skip):
             terms = _analytic(self.shape.dims, s)
@@ -272,12 +280,14 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
          attention: str = "sdpa", lora_rank: int = 0, base_bits: int = 16, sp: int | None = None,
          tp: int | None = None, cp: int | None = None, hardware: Hardware | None = None,
          global_batch_tokens: int | None = None, method: str = "auto", kernels: str | None = None,
-         serving: Serving | None = None, engine: str = "auto", engines=None, progress: bool = False) -> Plan:
+         serving: Serving | None = None, engine: str = "auto", engines=None, adamw: str = DEFAULT_ADAMW,
+         progress: bool = False) -> Plan:
     """Predict per-rank memory of training `model` (a built-in name, config.json, model directory or hub name)
     with the strategy given (`engine`: "auto" = DDP at ZeRO 0, DeepSpeed at 1-3; "fsdp2" = FSDP2, its per-rank
     rules laid over the trace by plan/fsdp.py); with `hardware`, rank every strategy for it (DDP, ZeRO 1-3 and FSDP2,
     offload, checkpointing, micro batch, and sp / tp / cp where plain data parallelism does not fit; `engines`: a
-    subset of planner.ENGINES to rank, default all) and pick the cheapest that fits.
+    subset of planner.ENGINES to rank, default all) and pick the cheapest that fits. `adamw`: torch AdamW's
+    implementation the step is traced with (hfscale.scale.optim; fused: what the recipes build and Trainer's default).
     Raises HfscaleError (one line) for invalid input; see the module docstring for `method` and `kernels`."""
     from .kernels import KERNELS
     from .parallel import parallel_options
@@ -289,6 +299,9 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
         raise HfscaleError(f"--kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
     if kernels is not None and method == "fast":
         raise HfscaleError("--kernels chooses the traced attention kernels and --fast traces nothing; drop one")
+    if optimizer != "adamw" and adamw != DEFAULT_ADAMW:  # a choice that would be ignored is refused
+        raise HfscaleError(f"--adamw {adamw} chooses torch AdamW's implementation, and --optimizer {optimizer} is not "
+                           "AdamW; drop --adamw or use --optimizer adamw")
     kernels = kernels or ("cuda" if hardware is not None else "cpu")
     from .planner import ENGINES
 
@@ -302,12 +315,12 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
     dp = dp if dp is not None else (hardware.world // par.size if hardware else 1)  # dp 0 is refused, not made 1
     s = Strategy(zero=zero, dp=dp, precision=precision, optimizer=optimizer, offload=offload,
                  checkpointing=checkpointing, micro_batch=micro_batch, seq_len=seq_len, attention=attention,
-                 lora_rank=lora_rank, base_bits=base_bits, sp=par.sp, tp=par.tp, cp=par.cp, engine=engine)
+                 lora_rank=lora_rank, base_bits=base_bits, sp=par.sp, tp=par.tp, cp=par.cp, engine=engine, adamw=adamw)
     d = shape.dims
     if d is None and (method == "fast" or serving is not None):
         raise HfscaleError(f"{shape.dims_error}; {'--inference' if serving else '--fast'} needs those formulas: drop it "
                            "and the step is traced from transformers' own code instead")
-    predict = _Predictor(model, shape, method, kernels)
+    predict = _Predictor(model, shape, method, kernels, s.adamw)
     # with hardware, the strategy asked is judged like every candidate: its states alone over the GPU -> not traced
     pred = predict(s, 1, hardware.gpu_mem if hardware is not None and method == "auto" else None)
     notes = []

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 from ..util.errors import HfscaleError
 from ..scale.checkpointing import checkpointed_layers, parse_checkpointing
+from ..scale.optim import ADAMW, DEFAULT_ADAMW
 from ..models.dims import Dims
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4}
@@ -91,6 +92,7 @@ class Strategy:
     cp: int = 1  # context parallel (torch, FSDP2)
     engine: str = "auto"  # auto: DDP at ZeRO 0, DeepSpeed at 1-3 | fsdp2: torch fully_shard through accelerate
     levers: str = "none"  # long context (ALST): none | tiled (logits + loss, MLP) | tiled+offload (+ activations to host)
+    adamw: str = DEFAULT_ADAMW  # torch AdamW's implementation the step is traced with (hfscale.scale.optim)
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -101,6 +103,8 @@ class Strategy:
             raise HfscaleError(f"--precision must be bf16 or fp32 (got {self.precision})")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise HfscaleError(f"--optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+        if self.adamw not in ADAMW:
+            raise HfscaleError(f"--adamw must be one of {', '.join(ADAMW)} (got {self.adamw!r})")
         if self.lora_rank < 0 or self.base_bits not in (16, 4) or (self.base_bits == 4 and not self.lora_rank):
             raise HfscaleError("--lora-rank must be >= 0 and --base-bits 16 or 4 (4-bit needs --lora-rank, i.e. QLoRA)")
         if self.attention not in ("sdpa", "eager"):

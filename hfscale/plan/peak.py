@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from ..util.cache import cache_root, cached_json
 from .memory import runs_as
+from ..scale.optim import DEFAULT_ADAMW
 from .trace import PhasePeak, StepTrace, trace_step
 
 # bump when what a trace records changes (2: gradients made in backward count as gradients, not temporaries;
@@ -153,7 +154,7 @@ def cached_trace(config, **kw) -> StepTrace:
 
 def step_prediction(config, micro_batch: int, seq_len: int, precision: str, attention: str = "sdpa",
                     checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, zero: int = 0,
-                    dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = "fused",
+                    dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = DEFAULT_ADAMW,
                     rank: int | None = None, kernels: str = "cpu", reshard_after_forward: bool = True) -> dict:
     """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy.
     engine: "ddp" (torch DDP through accelerate), "deepspeed", "fsdp2", or "auto" (ddp at ZeRO-0, else deepspeed).
@@ -225,5 +226,5 @@ def for_strategy(config, s, grad_accum: int = 1, kernels: str = "cpu") -> dict:
     """`step_prediction` for a planner `Strategy`."""
     return step_prediction(config, s.micro_batch, s.seq_len, s.precision, s.attention, s.checkpointing,
                            s.lora_rank, grad_accum, s.zero, s.dp, s.offload, engine=getattr(s, "engine", "auto"),
-                           kernels=kernels)
+                           adamw=s.adamw, kernels=kernels)
 __all__ = ["cache_dir", "cached_trace", "for_strategy", "step_prediction", "trace_precision", "untraceable"]

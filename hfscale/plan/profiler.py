@@ -33,6 +33,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..scale.optim import adamw_impl, as_planned, optimizer_chain  # noqa: F401  (adamw_impl: importable here too)
 from .tracker import Sample, phase_peak, step_tracker
 
 PHASES = ("forward", "backward", "optimizer")
@@ -114,15 +115,6 @@ def _tensors_in(obj, depth: int = 3, seen: set | None = None):
             yield from _tensors_in(v, depth - 1, seen)
 
 
-def _optimizer_chain(optimizer):
-    """The optimizer and what it wraps (accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> torch's)."""
-    chain, obj = [], optimizer
-    while obj is not None and obj not in chain:
-        chain.append(obj)
-        obj = getattr(obj, "optimizer", None)
-    return chain
-
-
 class MemoryProfiler:
     """Counts what a rank holds through the steps run under `phase(...)` (see the module docstring)."""
 
@@ -136,7 +128,7 @@ class MemoryProfiler:
         # first what is neither a parameter nor an optimizer state (DeepSpeed's flat buffers, ZeRO-3's
         # partitions, fp32 master copies), then parameters / buffers, then optimizer states: MemTracker
         # keeps the last kind given to a storage, so a parameter viewing a flat buffer counts as a parameter
-        chain = _optimizer_chain(optimizer)
+        chain = optimizer_chain(optimizer)
         held = []
         for obj in [*chain, engine, *(p for p in model.parameters())]:
             if obj is not None:
@@ -226,23 +218,6 @@ class MemoryProfiler:
         return str(path)
 
 
-def adamw_impl(optimizer) -> str:
-    """Which implementation the torch AdamW inside `optimizer` (or its wrappers) runs: fused / foreach / forloop
-    (torch's own default: foreach on CUDA, forloop on CPU), or the class name of a non-torch optimizer."""
-    import torch
-
-    base = _optimizer_chain(optimizer)[-1]
-    if not isinstance(base, torch.optim.Optimizer) or type(base).__module__.split(".")[0] != "torch":
-        return type(base).__name__
-    d = base.defaults
-    if d.get("fused"):
-        return "fused"
-    if d.get("foreach") is None:
-        cuda = any(p.is_cuda for g in base.param_groups for p in g["params"])
-        return "foreach" if cuda else "forloop"
-    return "foreach" if d["foreach"] else "forloop"
-
-
 def config_attention(model) -> str:
     """The attention implementation the (possibly wrapped) model runs."""
     inner = getattr(model, "module", model)
@@ -268,10 +243,9 @@ def predict(config, r: dict) -> dict:
     {"error": why} where the trace refuses."""
     from ..util.errors import HfscaleError
     from .peak import step_prediction
-    from .trace import ADAMW
 
     precision = {"fp16": "bf16"}.get(r["precision"], r["precision"])  # same bytes per element
-    adamw = r["adamw"] if r["adamw"] in ADAMW else "fused"  # DeepSpeed's own optimizers step in place, like fused
+    adamw = as_planned(r["adamw"])  # DeepSpeed's own optimizers step in place, like fused
     try:
         return step_prediction(config, r["micro_batch"], r["seq_len"], precision, r["attention"], r["checkpointing"],
                                grad_accum=r.get("grad_accum", 1), zero=r["zero"], dp=r["world"], offload=r["offload"], engine=r["engine"], adamw=adamw,
@@ -294,7 +268,7 @@ def write_report(directory: str | os.PathLike, reports: list[dict], config, titl
         pred = preds[r["rank"]]
         m = RankProfile.from_dict(r).summary()
         row = {"rank": r["rank"], "world": r["world"], "device": r["device"], "engine": r["engine"], "zero": r["zero"],
-               "precision": r["precision"], "measured": m, "invisible_to_tracker": r["extra"]}
+               "precision": r["precision"], "adamw": r["adamw"], "measured": m, "invisible_to_tracker": r["extra"]}
         if pred and "peak" in pred:
             row["predicted"] = {k: pred[k] for k in ("peak", "peak_step1", "phases", "phases_step1", "peak_breakdown",
                                                      "offloaded_per_rank")}

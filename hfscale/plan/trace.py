@@ -38,11 +38,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from ..util.errors import HfscaleError
+from ..scale.optim import ADAMW, DEFAULT_ADAMW, build_adamw  # torch AdamW's implementations: one home
 from .kernels import KERNELS, cuda_attention
 from .tracker import KINDS, PhasePeak, phase_peak as _phase, step_tracker
 
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "bf16-pure")
-ADAMW = ("fused", "foreach", "forloop")  # torch.optim.AdamW's implementations (see _Optimizer)
 
 
 class TraceError(HfscaleError):
@@ -151,11 +151,12 @@ def _materialize_fake(model):
 
 class _Optimizer:
     """AdamW as the precision runs it; bf16 keeps fp32 master copies and steps those, their fp32 gradients
-    counted as gradients. `adamw`: torch's implementation, which decides the step's temporaries: fused
-    (transformers Trainer's default; like DeepSpeed's one-kernel step), foreach (torch's default on CUDA:
-    whole-list intermediates) or forloop (torch's default on CPU: one parameter's intermediates at a time)."""
+    counted as gradients. `adamw`: torch's implementation (hfscale.scale.optim), which decides the step's
+    temporaries: fused (what the recipes build and transformers Trainer's default; like DeepSpeed's one-kernel
+    step), foreach (torch's default on CUDA: whole-list intermediates) or forloop (torch's default on CPU: one
+    parameter's intermediates at a time)."""
 
-    def __init__(self, model, precision: str, adamw: str = "fused"):
+    def __init__(self, model, precision: str, adamw: str = DEFAULT_ADAMW):
         import torch
 
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -168,8 +169,7 @@ class _Optimizer:
                 h = torch.nn.Module()
                 h.register_parameter("master", m)
                 self.holders.append(h)
-        self.opt = torch.optim.AdamW(self.master or self.params, lr=1e-4, fused=adamw == "fused",
-                                    foreach=adamw == "foreach")
+        self.opt = build_adamw(self.master or self.params, adamw, lr=1e-4)
 
     def step(self):
         import torch
@@ -253,7 +253,7 @@ def _state_bytes(opt) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw="fused", levers=None):
+def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=DEFAULT_ADAMW, levers=None):
     import torch
 
     from ..scale.checkpointing import apply_checkpointing_
@@ -272,7 +272,7 @@ def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=
     return opt, ids, mt
 
 
-def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw="fused"):
+def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw=DEFAULT_ADAMW):
     from ..scale.checkpointing import parse_checkpointing
 
     if precision not in PRECISIONS:
@@ -287,7 +287,7 @@ def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing
 
 def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                   checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, steps: int = 2,
-                  adamw: str = "fused", levers=None) -> list[dict[str, PhasePeak]]:
+                  adamw: str = DEFAULT_ADAMW, levers=None) -> list[dict[str, PhasePeak]]:
     """Run `steps` whole training steps for real (random weights) under the same tracker: each step's phase
     peaks, what `trace_step` is checked against. Run it first in a fresh process: a second real run in
     the same process was measured to count one hidden-state tensor fewer (2.25 MiB on the tiny Gemma)."""
@@ -310,7 +310,7 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 
 def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1,
-               optimizer_only: bool = False, adamw: str = "fused", kernels: str = "cpu",
+               optimizer_only: bool = False, adamw: str = DEFAULT_ADAMW, kernels: str = "cpu",
                optimizer: bool = True, levers=None) -> StepTrace:
     """Trace step 1 of training the model `config` describes on fake tensors, and the steady optimizer step.
     `optimizer_only` skips forward and backward (`micro` is empty): both optimizer steps then run on

@@ -12,21 +12,29 @@ import yaml
 
 from ..util.atomic import check_writable, write_text_atomic
 from ..scale.files import render_config_set
+from ..scale.optim import DEFAULT_ADAMW, trainer_optim
 from ..scale.trainer import to_training_arguments
 from .planner import to_scale_spec
 
 
-def write_plan(row, hw, out: Path, force: bool = False, model: str | None = None, seq_len: int | None = None) -> list[Path]:
+def write_plan(row, hw, out: Path, force: bool = False, model: str | None = None, seq_len: int | None = None,
+               adamw: str = DEFAULT_ADAMW) -> list[Path]:
+    """`adamw`: the AdamW implementation planned, written as Trainer's `optim` and the recipe's `adamw`."""
     spec = to_scale_spec(row, hw)
     files = render_config_set(spec, out, out)
     kw = to_training_arguments(spec, deepspeed=str(out / f"{spec.name}.json"))  # for the cluster, not this host
     args = {"per_device_train_batch_size": row.micro_batch, "gradient_accumulation_steps": row.grad_accum, **kw}
-    header = f"# TrainingArguments for the plan '{row.label}' (hfscale plan --write); predicted peak {row.peak_bytes / 1e9:.1f} GB/GPU\n"
+    optim = trainer_optim(adamw)
+    if optim:
+        args["optim"] = optim
+    header = (f"# TrainingArguments for the plan '{row.label}' (hfscale plan --write); predicted peak {row.peak_bytes / 1e9:.1f} GB/GPU"
+              f" with AdamW {adamw}\n" + ("" if optim else "# Trainer cannot run the for-loop AdamW on GPUs (adamw_torch "
+                                           "runs foreach there): use the recipe, or plan with --adamw foreach\n"))
     files[out / "training_args.yaml"] = header + yaml.safe_dump(args, sort_keys=False)
     if model and seq_len:
         recipe = {"model": model, "seq_len": seq_len, "micro_batch": row.micro_batch,
                   "global_batch_tokens": row.micro_batch * row.grad_accum * row.dp * seq_len,
-                  "checkpointing": row.checkpointing, "precision": "launch",
+                  "checkpointing": row.checkpointing, "precision": "launch", "adamw": adamw,
                   **row.prediction.extra.get("levers", {})}  # long context: tiled_loss / tiled_mlp / offload_activations / tiled_norm
         files[out / "recipe.yaml"] = (
             f"# accelerate launch --config_file {out / (spec.name + '.yaml')} recipes/train_clm.py --config {out / 'recipe.yaml'}\n"

@@ -32,6 +32,7 @@ def _parse(argv):
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--checkpointing", default="off")
+    p.add_argument("--adamw", default="fused")  # hfscale.scale.optim.ADAMW (make_optimizer checks it)
     p.add_argument("--precision", default="launch", choices=PRECISION_CHOICES)
     return p.parse_args(argv)
 
@@ -52,7 +53,7 @@ def run(args) -> RankProfile:
     config = load_config(args.model)
     model = build_model(args.model, seed=0)
     apply_checkpointing_(model, args.checkpointing, launched.fsdp_checkpoints_all)
-    optimizer = make_optimizer(accelerator, model, lr=1e-4)
+    optimizer = make_optimizer(accelerator, model, lr=1e-4, adamw=args.adamw)
     model, optimizer = accelerator.prepare(model, optimizer)
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(accelerator.device)

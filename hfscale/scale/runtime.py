@@ -299,18 +299,22 @@ def set_deepspeed_micro_batch(accelerator, micro_batch: int) -> None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
 
 
-def make_optimizer(accelerator, model, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8):
-    """AdamW for plain accelerate loops. If the DeepSpeed config declares an optimizer (hfscale does
-    for offload, so DeepSpeed's CPU Adam is used) this returns the `DummyOptim` accelerate needs."""
-    import torch
+def make_optimizer(accelerator, model, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
+                   adamw: str = "fused"):
+    """AdamW for plain accelerate loops, running the implementation `hfscale plan` assumes (`adamw`, default
+    fused: hfscale.scale.optim; name it with `hfscale.scale.optim.adamw_impl(optimizer)`). If the DeepSpeed
+    config declares an optimizer (hfscale does for offload, so DeepSpeed's CPU Adam is used) this returns the
+    `DummyOptim` accelerate needs, and DeepSpeed's optimizer runs (the plan models it as in place)."""
+    from .optim import build_adamw, check_adamw
 
+    check_adamw(adamw)
     params = [p for p in model.parameters() if p.requires_grad]
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None and "optimizer" in plugin.deepspeed_config:
         from accelerate.utils import DummyOptim  # exported only where DeepSpeed is installed (hfscale[deepspeed])
 
         return DummyOptim(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    return build_adamw(params, adamw, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
 
 def training_arguments_kwargs(spec: ScaleSpec) -> dict:

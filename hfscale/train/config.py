@@ -25,6 +25,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # plain loops; DeepSpeed takes gradient_clipping from its JSON
     checkpointing: str = "off"  # off | full | every:K | auto (every ~sqrt(layers)-th layer)
+    adamw: str = "fused"  # torch AdamW's implementation: fused | foreach | forloop (hfscale.scale.optim; the plan's too)
     # launch: what the DeepSpeed JSON / accelerate config says; auto: the same, but fp32 where it says
     # bf16 on a host that emulates bf16 (hfscale.util.hosts); bf16 | fp16 | fp32: this, whatever the launch says
     precision: str = "launch"
@@ -69,7 +70,10 @@ class TrainConfig:
             from ..scale.checkpointing import parse_checkpointing
 
             parse_checkpointing(self.checkpointing)
+        from ..scale.optim import check_adamw
         from ..util.hosts import PRECISION_CHOICES
+
+        check_adamw(self.adamw)
 
         if self.precision not in PRECISION_CHOICES:
             raise ConfigError(f"precision {self.precision!r} not understood; use one of {', '.join(PRECISION_CHOICES)}")
