@@ -5,7 +5,8 @@ and three zoo families (Gemma 4, Llama, Qwen 3), sdpa and eager; the same tokens
 boundaries, and the packed batch through transformers' default train-mode forward (which makes a cache and so
 skips its packed-sequence detection), differ by more than the tolerance. Untrained tokens contribute exactly
 zero; two micro batches normalised by the step's count equal one batch's sum / count; flash-attention's varlen
-arguments equal transformers' own; the Ulysses split keeps every boundary. Each case runs in well under a second.
+arguments equal transformers' own; the Ulysses split keeps every boundary; the step loop, evaluation,
+distillation, scoring and the tiled loss use the step's count. One process, no launch.
 """
 
 from __future__ import annotations
@@ -274,3 +275,102 @@ def test_window_sdpa_rebuilds_document_masks_when_the_kernel_gets_none():
     finally:
         AttentionInterface.register("sdpa", sdpa_attention_forward)
     assert _close(loss, ref_loss, LOSS_RTOL) and _close(grad, ref_grad, GRAD_RTOL)
+
+
+def _micro_pair(model):
+    """Two micro batches of one row each with 20 and 156 trained tokens (see _batch)."""
+    batch, _ = _batch(model.config.vocab_size)
+    short = {k: v[:1].clone() for k, v in batch.items()}
+    short["labels"][0, 60:] = -100
+    return short, {k: v[1:] for k, v in batch.items()}
+
+
+def test_train_steps_packed_step_is_the_gradient_of_sum_over_count(tmp_path):
+    """hfscale.train.loop.train_steps with read_batch / step_tokens, under a real (1-process) Accelerator with 2
+    accumulation steps and SGD: the update is -lr x the gradient of the step's sum / N (accelerate divides each
+    backward by 2, backward_scale multiplies by accum x ranks), and the logged loss is the step's sum / N."""
+    import copy
+
+    from accelerate import Accelerator
+
+    from hfscale.train.batching import BatchPlan
+    from hfscale.train.config import TrainConfig
+    from hfscale.train.loop import train_steps
+    from hfscale.train.metrics import MetricsLog, read_records
+    from hfscale.train.state import Checkpoints
+
+    model = _model("llama", "sdpa")
+    short, long = _micro_pair(model)
+    n = int(trained_tokens(short["labels"]) + trained_tokens(long["labels"]))
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    expected = sum(lm_loss(ref, mb, n) for mb in (short, long))
+    expected.backward()
+
+    lr = 0.5
+    cfg = TrainConfig(max_steps=1, lr=lr, warmup_steps=0, min_lr_ratio=1.0, max_grad_norm=1e9, save_every=0,
+                      eval_every=0, progress=False, output_dir=str(tmp_path), doctor=False)
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    prepared, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=lr))
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    train_steps(acc, prepared, opt, cfg, BatchPlan(1, 2, 1, L), None, None, Checkpoints(tmp_path / "ck", 1), log, 0, {},
+                read_batch=lambda step, micro, rank: (short, long)[micro], step_tokens=lambda step: n)
+    update = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters())])
+    assert _close(update, lr * _grads(ref), GRAD_RTOL)
+    rec = read_records(tmp_path / "metrics.jsonl")[1]
+    expected = float(expected.detach())
+    assert abs(rec["loss"] - expected) <= LOSS_RTOL * expected and rec["trained_tokens"] == n == 176
+
+
+def test_evaluate_weighs_packed_batches_by_their_trained_tokens():
+    from accelerate import Accelerator
+
+    from hfscale.train.loop import evaluate
+
+    model = _model("gemma3", "sdpa")
+    short, long = _micro_pair(model)
+    nll = [token_nll(model(**forward_kwargs({k: v for k, v in mb.items() if k != "labels"}, "sdpa")).logits,
+                     mb["labels"]) for mb in (short, long)]
+    want = float(sum(x for x, _ in nll) / sum(c for _, c in nll))
+    got = evaluate(model, Accelerator(cpu=True), [short, long], micro_batch=1)
+    assert abs(got - want) <= LOSS_RTOL * want
+    assert abs(got - float(sum(x / c for x, c in nll) / 2)) > 10 * LOSS_RTOL * want  # not a mean of means
+
+
+def test_distillation_and_score_count_trained_positions_only():
+    """CE and KL over trained positions only (/ the denominator when given); compress.evaluate.score the same."""
+    from hfscale.compress.evaluate import score
+    from hfscale.compress.qat import distillation_loss
+
+    g = torch.Generator().manual_seed(3)
+    s, t = torch.randn(2, 16, 50, generator=g), torch.randn(2, 16, 50, generator=g)
+    labels = torch.randint(0, 50, (2, 16), generator=g)
+    labels[0, :9] = -100
+    keep = labels[:, 1:] != -100
+    ls, lt = torch.log_softmax(s[:, :-1] / 2, -1)[keep], torch.log_softmax(t[:, :-1] / 2, -1)[keep]
+    kl = (lt.exp() * (lt - ls)).sum() / 20
+    ce = torch.nn.functional.cross_entropy(s[:, :-1][keep], labels[:, 1:][keep], reduction="sum") / 20
+    got = distillation_loss(s, t, labels, 0.25, temperature=2.0, denominator=20)
+    assert torch.allclose(got, 0.75 * ce + 0.25 * 4 * kl, rtol=1e-5)
+    assert int(keep.sum()) == 22  # 20 above is a step's count, not this batch's
+
+    model = _model("qwen3", "sdpa").eval()
+    short, long = _micro_pair(model)
+    nll, count, _ = score(model, [short, long])
+    assert count == 176
+    with torch.no_grad():
+        assert abs(nll - sum(float(lm_loss(model, mb, 1)) for mb in (short, long))) <= LOSS_RTOL * nll
+
+
+def test_tiled_loss_takes_the_step_denominator():
+    """hfscale.scale.long_context.tile_loss_ on a packed batch with the step's count equals the untiled loss."""
+    from hfscale.scale.long_context import tile_loss_
+
+    model = _model("gemma3", "sdpa")
+    batch, _ = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        plain = lm_loss(model, batch, 300)
+        tile_loss_(model, 4)
+        tiled = lm_loss(model, batch, 300)
+    assert abs(float(tiled) - float(plain)) <= LOSS_RTOL * float(plain)
