@@ -124,9 +124,15 @@ def gather_shares(accelerator, teacher) -> list[TeacherShare]:
 
 
 def kd_loss_fn(teacher, cfg):
-    """A loss_fn(model, batch[, denominator]) for hfscale.train.loop.train_steps: full blocks (a tensor, every next
-    token trained) or a packed batch (hfscale.models.documents: documents kept apart in the teacher and the
-    student, CE and KL over its trained tokens / the step's `denominator`)."""
+    """A loss_fn(model, batch[, denominator]) for hfscale.train.loop.train_steps (the distill recipe's settings)."""
+    return distill_loss_fn(teacher, 1.0 - cfg.ce_weight, cfg.temperature)
+
+
+def distill_loss_fn(teacher, weight: float, temperature: float = 1.0):
+    """A loss_fn(model, batch[, denominator]) for hfscale.train.loop.train_steps: hfscale.compress.qat's
+    distillation_loss against the frozen `teacher` (weight on the KL; the distill and QAT recipes). Full blocks (a
+    tensor, every next token trained) or a packed batch (hfscale.models.documents: documents kept apart in the
+    teacher and the student, CE and KL over its trained tokens / the step's `denominator`)."""
     import torch
 
     from ..compress.qat import distillation_loss
@@ -135,7 +141,7 @@ def kd_loss_fn(teacher, cfg):
         inputs, labels = model_inputs(batch, model)
         with torch.no_grad():
             t = teacher(**model_inputs(batch, teacher)[0]).logits
-        return distillation_loss(model(**inputs).logits, t, labels, 1.0 - cfg.ce_weight, cfg.temperature, denominator)
+        return distillation_loss(model(**inputs).logits, t, labels, weight, temperature, denominator)
 
     return loss_fn
 
