@@ -317,6 +317,9 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
     # with hardware, the strategy asked is judged like every candidate: its states alone over the GPU -> not traced
     pred = predict(s, 1, hardware.gpu_mem if hardware is not None and method == "auto" else None)
     notes = []
+    if packing:
+        notes.append("--packing: the block-diagonal attention masks of packed rows are in the traced step, not in the "
+                     "analytic terms")
     if pred.source == "trace" and d is None:
         notes.append(f"{shape.model_type}: no analytic formulas, so the step was traced from transformers' own code")
     inference = moe = None
