@@ -374,3 +374,29 @@ def test_tiled_loss_takes_the_step_denominator():
         tile_loss_(model, 4)
         tiled = lm_loss(model, batch, 300)
     assert abs(float(tiled) - float(plain)) <= LOSS_RTOL * float(plain)
+
+
+def test_sp_lm_loss_of_a_packed_batch_on_one_rank():
+    """hfscale.scale.ulysses.sp_lm_loss on a packed batch with the step's count, over a real 1-rank gloo group (the
+    collectives run; the split is the identity): loss and gradients equal the documents one by one."""
+    import torch.distributed as dist
+
+    from hfscale.scale.ulysses import sp_lm_loss
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _model("gemma3", "sdpa")
+        batch, docs = _batch(model.config.vocab_size)
+        n = int(trained_tokens(batch["labels"]))
+        ref_loss, ref_grad = _one_by_one(model, docs, n)
+        model.zero_grad()
+        loss = sp_lm_loss(dist.group.WORLD)(model, batch, n)
+        loss.backward()
+        assert _close(loss.detach(), ref_loss, LOSS_RTOL) and _close(_grads(model), ref_grad, GRAD_RTOL)
+        assert global_trained_tokens([batch["labels"]], dist.group.WORLD) == n
+        with torch.no_grad():  # full blocks: the mean over every next token, as before
+            ids = batch["input_ids"]
+            assert _close(sp_lm_loss(dist.group.WORLD)(model, ids), lm_loss(model, ids), LOSS_RTOL)
+    finally:
+        dist.destroy_process_group()

@@ -209,11 +209,14 @@ def sp_lm_loss(group, tiled: bool = False):
             raise ValueError(f"seq_len {S} does not divide by sp {sp}")
         lo, hi = rank * S // sp, (rank + 1) * S // sp
         mine = labels[:, lo:hi]
+        # packed rows: no cache (hfscale.models.documents; the masks come from use_window_sdpa under Ulysses);
+        # full blocks run as before
+        extra = {} if isinstance(batch, torch.Tensor) else {"use_cache": False}
         if tiled:
             count = (mine != -100).sum()
-            out = model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi], shift_labels=mine, use_cache=False)
+            out = model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi], shift_labels=mine, **extra)
             return sp_mean(out.loss * count, count, group, denominator)
-        out = model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi], use_cache=False)
+        out = model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi], **extra)
         return sp_loss(out.logits, mine, group, denominator)
 
     return loss_fn
