@@ -65,13 +65,11 @@ def build_student(cfg, spec):
 
 
 def train(cfg, force, pre) -> int:
-    import torch
-
-    from hfscale.compress.qat import distillation_loss
     from hfscale.compress.schemes import QuantSpec
     from hfscale.models import build_model, load_tokenizer
     from hfscale.scale.optim import adamw_impl
     from hfscale.scale.runtime import make_optimizer
+    from hfscale.train.distill import distill_loss_fn
     from hfscale.train.loop import evaluate, lm_loss, load_blocks, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint
@@ -92,13 +90,7 @@ def train(cfg, force, pre) -> int:
     loss_fn = lm_loss
     if cfg.distill > 0:
         teacher = build_model(cfg.model).to(accelerator.device).eval().requires_grad_(False)
-
-        def distill_loss(m, batch):
-            with torch.no_grad():
-                t = teacher(input_ids=batch).logits
-            return distillation_loss(m(input_ids=batch).logits, t, batch, cfg.distill, cfg.temperature)
-
-        loss_fn = distill_loss
+        loss_fn = distill_loss_fn(teacher, cfg.distill, cfg.temperature)
 
     optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw=cfg.adamw)
     model, optimizer = accelerator.prepare(model, optimizer)

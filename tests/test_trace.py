@@ -20,10 +20,13 @@ ROWS = [
     (dict(arch="gpt_neox", micro_batch=2, seq_len=64, precision="fp32", attention="eager"), True),
     (dict(arch="llama", micro_batch=2, seq_len=64, precision="bf16", lora_rank=8), True),
     (dict(arch="gemma4", micro_batch=2, seq_len=64, precision="bf16", checkpointing="full"), True),
+    # rows packed with 4 documents each (trace.packed_rows; issue 36): transformers builds the block-diagonal mask
+    # of both layer types (window 64 < 128), the trace counts it as the real step holds it
+    (dict(arch="gemma3", micro_batch=2, seq_len=128, precision="fp32", packing=True), True),
 ]
 
 
-@pytest.mark.parametrize("row, exact", ROWS, ids=[r["arch"] for r, _ in ROWS])
+@pytest.mark.parametrize("row, exact", ROWS, ids=[r["arch"] + ("-packed" if r.get("packing") else "") for r, _ in ROWS])
 def test_fake_trace_equals_real_steps(row, exact):
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "trace_row.py"), json.dumps(row)],
                          capture_output=True, text=True, timeout=600)
@@ -105,3 +108,20 @@ def test_plan_trace_ranks_candidates_on_the_traced_peak(cli):
     pick = json.loads(r.stdout)["pick"]
     assert pick["peak_source"] == "trace"
     assert pick["peak_bytes"] == int(pick["prediction"]["peak"] * 1.1) + 512 * 2**20 <= 1e9
+
+
+def test_plan_packing_traces_the_packed_step():
+    """`hfscale plan --packing` (plan(packing=True)): the step traced with packed rows (the row above checks that
+    trace against a real step), said in the strategy and the trace; --fast, which traces nothing, refuses it."""
+    from hfscale.models.builtin import TINY
+    from hfscale.plan.api import plan
+    from hfscale.plan.peak import step_prediction
+    from hfscale.models.builtin import load_config
+    from hfscale.util.errors import HfscaleError
+
+    packed, plain = (plan(TINY, 128, 2, precision="fp32", packing=p) for p in (True, False))
+    assert packed.strategy.label == "DDP packed ckpt:off mb2" and packed.prediction.to_dict()["trace"]["packing"] is True
+    assert packed.prediction.peak == step_prediction(load_config(TINY), 2, 128, "fp32", packing=True)["peak"]
+    assert packed.prediction.peak != plain.prediction.peak
+    with pytest.raises(HfscaleError, match="--packing"):
+        plan(TINY, 128, 2, packing=True, method="fast")

@@ -48,6 +48,8 @@ def add_parser(sub):
                    "hfscale's recipes build and Trainer's default; foreach: torch's default on CUDA when none is named; "
                    "forloop: torch's default on CPU)")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa/flash (default) or eager")
+    p.add_argument("--packing", action="store_true", help="rows packed with several documents each (hfscale data "
+                   "--packing): counts the block-diagonal attention mask sdpa / eager get (flash varlen builds none)")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (peft, all decoder linears); 0 = full fine-tuning")
     p.add_argument("--base-bits", type=int, default=16, choices=[16, 4], help="4 = QLoRA (NF4 base)")
     p.add_argument("--inference", action="store_true", help="also predict serving memory: weights at --quant + KV cache")
@@ -136,7 +138,7 @@ def run(args) -> int:
                   method="trace" if args.trace else "fast" if args.fast else "auto", kernels=args.kernels,
                   serving=serving, engine=args.engine, adamw=args.adamw,
                   engines=None if args.engines is None else [e.strip() for e in args.engines.split(",") if e.strip()],
-                  progress=not args.json)
+                  progress=not args.json, packing=args.packing)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

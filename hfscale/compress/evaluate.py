@@ -43,20 +43,34 @@ def calibration_blocks(tokenizer, n: int = 32, seq_len: int = 128, data: str = "
 
 
 def score(model, blocks, batch_size: int = 8, want_top1: bool = False):
-    """(summed NLL, scored tokens, top-1 predictions [n, seq-1] or None) over `blocks`."""
+    """(summed NLL, scored tokens, top-1 predictions [n, seq-1] or None) over `blocks`: full blocks (a Long[N, S]
+    tensor, every next token scored) or a list of packed batches (hfscale.models.documents: documents kept apart,
+    only their trained tokens scored; `batch_size` unused)."""
     import torch
-    import torch.nn.functional as F
+
+    from ..models.documents import attn_implementation, forward_kwargs
+    from ..models.loss import token_nll
 
     total, count, top1 = 0.0, 0, []
+    device = next(model.parameters()).device
+    packed = not isinstance(blocks, torch.Tensor)
+    batches = blocks if packed else (blocks[i : i + batch_size] for i in range(0, len(blocks), batch_size))
     model.eval()
     with torch.no_grad():
-        for i in range(0, len(blocks), batch_size):
-            b = blocks[i : i + batch_size].to(next(model.parameters()).device)
-            logits = model(input_ids=b).logits[:, :-1].float()
-            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1), reduction="sum"))
-            count += b[:, 1:].numel()
+        for b in batches:
+            if packed:
+                b = {k: v.to(device) for k, v in b.items()}
+                labels = b["labels"]
+                logits = model(**forward_kwargs({k: v for k, v in b.items() if k != "labels"},
+                                                attn_implementation(model))).logits
+            else:
+                labels = b = b.to(device)
+                logits = model(input_ids=b).logits
+            nll, n = token_nll(logits, labels)
+            total += float(nll)
+            count += int(n)
             if want_top1:
-                top1.append(logits.argmax(-1).cpu())
+                top1.append(logits[:, :-1].argmax(-1).cpu())
     return total, count, (torch.cat(top1) if want_top1 else None)
 
 

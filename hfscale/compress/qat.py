@@ -92,20 +92,30 @@ def merge_lora(model):
     return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
 
 
-def distillation_loss(student_logits, teacher_logits, labels, weight: float, temperature: float = 1.0):
-    """(1 - weight) x next-token CE on the data + weight x T^2 x KL(teacher || student) per token.
+def distillation_loss(student_logits, teacher_logits, labels, weight: float, temperature: float = 1.0,
+                      denominator=None):
+    """(1 - weight) x next-token CE on the data + weight x T^2 x KL(teacher || student) per token, both summed
+    over the trained positions only (labels[:, t + 1] != -100: the contract of hfscale.models.documents; full
+    blocks whose labels are their inputs train every next token) and divided by `denominator` (the step's
+    trained-token count, hfscale.models.loss) or, without one, by this batch's count (its per-token mean).
 
     weight=1 trains on the teacher's probabilities alone (Gemma 3's QAT recipe); 0 is plain CE.
     """
     import torch.nn.functional as F
 
-    s = student_logits[:, :-1].float()
-    ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), labels[:, 1:].reshape(-1))
+    from ..models.loss import token_nll
+
+    nll, count = token_nll(student_logits, labels)
+    n = count if denominator is None else denominator
+    ce = nll / n
     if weight == 0:
         return ce
+    trained = (labels[:, 1:] != -100).unsqueeze(-1)
+    s = student_logits[:, :-1].float()
     t = teacher_logits[:, :-1].float()
-    kl = F.kl_div(F.log_softmax(s / temperature, -1).reshape(-1, s.shape[-1]),
-                  F.log_softmax(t / temperature, -1).reshape(-1, t.shape[-1]), log_target=True, reduction="batchmean")
+    kl = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1), log_target=True,
+                  reduction="none")
+    kl = kl.masked_fill(~trained, 0.0).sum() / n
     return (1 - weight) * ce + weight * temperature**2 * kl
 
 

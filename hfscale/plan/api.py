@@ -154,7 +154,8 @@ class _Predictor:
         buffers = None
         per_rank = s
         if s.sp > 1:  # Ulysses: a rank holds seq/sp tokens of each sequence; ZeRO shards over dp x sp ranks
-            per_rank = replace(s, seq_len=s.seq_len // s.sp, dp=s.dp * s.sp, sp=1)
+            # (planned with flash, whose varlen path builds no mask for packed rows: packing adds nothing)
+            per_rank = replace(s, seq_len=s.seq_len // s.sp, dp=s.dp * s.sp, sp=1, packing=False)
             if d is not None:
                 from .parallel import parallel_buffers
 
@@ -281,13 +282,15 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
          tp: int | None = None, cp: int | None = None, hardware: Hardware | None = None,
          global_batch_tokens: int | None = None, method: str = "auto", kernels: str | None = None,
          serving: Serving | None = None, engine: str = "auto", engines=None, adamw: str = DEFAULT_ADAMW,
-         progress: bool = False) -> Plan:
+         progress: bool = False, packing: bool = False) -> Plan:
     """Predict per-rank memory of training `model` (a built-in name, config.json, model directory or hub name)
     with the strategy given (`engine`: "auto" = DDP at ZeRO 0, DeepSpeed at 1-3; "fsdp2" = FSDP2, its per-rank
     rules laid over the trace by plan/fsdp.py); with `hardware`, rank every strategy for it (DDP, ZeRO 1-3 and FSDP2,
     offload, checkpointing, micro batch, and sp / tp / cp where plain data parallelism does not fit; `engines`: a
     subset of planner.ENGINES to rank, default all) and pick the cheapest that fits. `adamw`: torch AdamW's
     implementation the step is traced with (hfscale.scale.optim; fused: what the recipes build and Trainer's default).
+    `packing`: rows packed with documents under sdpa / eager: the traced step counts the block-diagonal mask each
+    layer type gets (flash varlen builds none: plan that without it).
     Raises HfscaleError (one line) for invalid input; see the module docstring for `method` and `kernels`."""
     from .kernels import KERNELS
     from .parallel import parallel_options
@@ -297,6 +300,8 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
         raise HfscaleError(f"method must be one of {', '.join(METHODS)} (got {method!r})")
     if kernels is not None and kernels not in KERNELS:
         raise HfscaleError(f"--kernels must be one of {', '.join(KERNELS)} (got {kernels!r})")
+    if packing and method == "fast":
+        raise HfscaleError("--packing is counted by the traced step and --fast traces nothing; drop one")
     if kernels is not None and method == "fast":
         raise HfscaleError("--kernels chooses the traced attention kernels and --fast traces nothing; drop one")
     if optimizer != "adamw" and adamw != DEFAULT_ADAMW:  # a choice that would be ignored is refused
@@ -315,7 +320,8 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
     dp = dp if dp is not None else (hardware.world // par.size if hardware else 1)  # dp 0 is refused, not made 1
     s = Strategy(zero=zero, dp=dp, precision=precision, optimizer=optimizer, offload=offload,
                  checkpointing=checkpointing, micro_batch=micro_batch, seq_len=seq_len, attention=attention,
-                 lora_rank=lora_rank, base_bits=base_bits, sp=par.sp, tp=par.tp, cp=par.cp, engine=engine, adamw=adamw)
+                 lora_rank=lora_rank, base_bits=base_bits, sp=par.sp, tp=par.tp, cp=par.cp, engine=engine, adamw=adamw,
+                 packing=packing)
     d = shape.dims
     if d is None and (method == "fast" or serving is not None):
         raise HfscaleError(f"{shape.dims_error}; {'--inference' if serving else '--fast'} needs those formulas: drop it "
@@ -324,6 +330,9 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
     # with hardware, the strategy asked is judged like every candidate: its states alone over the GPU -> not traced
     pred = predict(s, 1, hardware.gpu_mem if hardware is not None and method == "auto" else None)
     notes = []
+    if packing:
+        notes.append("--packing: the block-diagonal attention masks of packed rows are in the traced step, not in the "
+                     "analytic terms")
     if pred.source == "trace" and d is None:
         notes.append(f"{shape.model_type}: no analytic formulas, so the step was traced from transformers' own code")
     inference = moe = None
@@ -345,12 +354,14 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
         from .peak import repeat_period
 
         period = repeat_period(list(d.layer_types)) if d is not None and d.layer_types else 1
-        rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, progress=progress,
+        rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, packing=packing,
+                          progress=progress,
                           period=period, engines=engines)
         if predict.failed and any(c.prediction.source == "trace" for c in rows):
             # a candidate's step could not be traced: rank them all on the analytic terms (one basis), and say why
             notes.append(f"candidates ranked on the analytic terms: {predict.failed}")
-            rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, period=period,
+            rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, packing=packing,
+                              period=period,
                               engines=engines)
         if not rows:
             raise HfscaleError(f"no {','.join(engines)} strategy exists for sp/tp/cp {sizes}; add an engine (--engines) "

@@ -93,6 +93,10 @@ class Strategy:
     engine: str = "auto"  # auto: DDP at ZeRO 0, DeepSpeed at 1-3 | fsdp2: torch fully_shard through accelerate
     levers: str = "none"  # long context (ALST): none | tiled (logits + loss, MLP) | tiled+offload (+ activations to host)
     adamw: str = DEFAULT_ADAMW  # torch AdamW's implementation the step is traced with (hfscale.scale.optim)
+    # rows packed with documents (hfscale.models.documents): sdpa / eager get a block-diagonal [B, 1, S, S] mask per
+    # layer type, counted by the trace only (not in the analytic terms); flash varlen builds none (plan it unpacked),
+    # and Ulysses rows (sp > 1) are planned with flash
+    packing: bool = False
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -144,6 +148,8 @@ class Strategy:
             parts.append(f"+{self.offload}")
         if self.levers != "none":
             parts.append(f"+{self.levers.replace('offload', 'act-offload')}")
+        if self.packing:
+            parts.append("packed")
         parts.append(f"ckpt:{self.checkpointing}")
         parts.append(f"mb{self.micro_batch}")
         return " ".join(parts)

@@ -138,7 +138,7 @@ def scaled_trace(config, **kw) -> StepTrace:
     micro = [{ph: ext(ma[ph], mb[ph]) for ph in ma} for ma, mb in zip(a.micro, b.micro)]
     return replace(full, micro=micro, seconds=a.seconds + b.seconds + full.seconds, depth=[L0, L1],
                    micro_batch=a.micro_batch, seq_len=a.seq_len, attention=a.attention, checkpointing=a.checkpointing,
-                   kernels=a.kernels, attention_kernels={k: a.attention_kernels.get(k, 0) + n * (v - a.attention_kernels.get(k, 0))
+                   kernels=a.kernels, packing=a.packing, attention_kernels={k: a.attention_kernels.get(k, 0) + n * (v - a.attention_kernels.get(k, 0))
                                                          for k, v in b.attention_kernels.items()})
 
 
@@ -155,12 +155,14 @@ def cached_trace(config, **kw) -> StepTrace:
 def step_prediction(config, micro_batch: int, seq_len: int, precision: str, attention: str = "sdpa",
                     checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, zero: int = 0,
                     dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = DEFAULT_ADAMW,
-                    rank: int | None = None, kernels: str = "cpu", reshard_after_forward: bool = True) -> dict:
+                    rank: int | None = None, kernels: str = "cpu", reshard_after_forward: bool = True,
+                    packing: bool = False) -> dict:
     """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy.
     engine: "ddp" (torch DDP through accelerate), "deepspeed", "fsdp2", or "auto" (ddp at ZeRO-0, else deepspeed).
     adamw: torch AdamW's implementation the run uses (trace.ADAMW; fused is transformers Trainer's default).
     rank: the rank to predict (ZeRO-2's backward differs per rank); None: the highest of all ranks.
-    kernels: the attention kernels traced, "cpu" or "cuda" (`kernels.py`)."""
+    kernels: the attention kernels traced, "cpu" or "cuda" (`kernels.py`).
+    packing: rows packed with documents: the traced step counts the block-diagonal masks (trace.packed_rows)."""
     engine = ("ddp" if zero == 0 else "deepspeed") if engine == "auto" else (
         "deepspeed" if engine.lower() == "deepspeed" else "fsdp2" if engine.lower() in ("fsdp", "fsdp2") else "ddp")
     kw = dict(seq_len=seq_len, precision=trace_precision(precision, zero, engine), attention=attention,
@@ -169,6 +171,8 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
         kw["adamw"] = adamw
     if kernels != "cpu":
         kw["kernels"] = kernels
+    if packing:  # unpacked traces keep their cache keys
+        kw["packing"] = True
     tr = scaled_trace(config, micro_batch=micro_batch, **kw)
     if engine == "deepspeed":
         from .zero import deepspeed_phases
@@ -226,5 +230,5 @@ def for_strategy(config, s, grad_accum: int = 1, kernels: str = "cpu") -> dict:
     """`step_prediction` for a planner `Strategy`."""
     return step_prediction(config, s.micro_batch, s.seq_len, s.precision, s.attention, s.checkpointing,
                            s.lora_rank, grad_accum, s.zero, s.dp, s.offload, engine=getattr(s, "engine", "auto"),
-                           adamw=s.adamw, kernels=kernels)
+                           adamw=s.adamw, kernels=kernels, packing=getattr(s, "packing", False))
 __all__ = ["cache_dir", "cached_trace", "for_strategy", "step_prediction", "trace_precision", "untraceable"]

@@ -121,14 +121,15 @@ ENGINES = ("ddp", "deepspeed", "fsdp2")  # what the planner ranks (hfscale plan 
 
 def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, layers: int, precision: str = "bf16",
                attention: str = "sdpa", parallel=((1, 1, 1),), progress: bool = False, period: int = 1,
-               engines=ENGINES) -> list[Candidate]:
+               engines=ENGINES, packing: bool = False) -> list[Candidate]:
     """Every strategy for `hw`, sorted fitting first, then by cost, each predicted by `predict(strategy,
     grad_accum) -> Prediction` (the same model for every row: the ranking and the report agree).
     `parallel`: (sp, tp, cp) sizes to plan (hfscale.plan.parallel.parallel_options), each spanning that many GPUs
     per data-parallel replica; sizes other than (1, 1, 1) are predicted only when no plain data-parallel
     strategy fits: their communication and smaller per-rank GEMMs are not in the cost model's favour otherwise.
     `period`: the layers' repeating pattern (checkpointing.resolve aligns every:K to it); `engines`: which of
-    ENGINES to rank (TP / CP rows run under FSDP2, or TP alone over the world under DDP).
+    ENGINES to rank (TP / CP rows run under FSDP2, or TP alone over the world under DDP). `packing`: rows packed
+    with documents (Strategy.packing; Ulysses rows are planned with flash varlen, which builds no mask).
     Rows whose model states alone (weights + gradients + optimizer, exact from the parameter count) exceed the GPU
     cannot fit whatever their activations, and rows costlier than the cheapest fitting one cannot be the pick:
     `predict(strategy, grad_accum, gpu_mem, skip)` may answer those from the analytic terms without a trace (where
@@ -139,9 +140,9 @@ def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, la
     groups = [plain, [p for p in parallel if p != (1, 1, 1)]] if plain else [list(parallel)]
     rows: list[Candidate] = []
     for group in groups:
-        todo = [x for sizes in group
-                for x in _strategies(hw, seq_len, global_batch_tokens, precision, attention, layers, period, *sizes)
-                if _engine_of(x[0]) in engines]
+        todo = [(replace(s, packing=packing and s.sp == 1), a) for sizes in group
+                for s, a in _strategies(hw, seq_len, global_batch_tokens, precision, attention, layers, period, *sizes)
+                if _engine_of(s) in engines]
         if not todo:
             continue
         max_tokens = max(s.micro_batch * seq_len // (s.sp * s.cp) for s, _ in todo)

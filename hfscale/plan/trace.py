@@ -18,6 +18,11 @@ What is traced is what this module runs, per rank without sharding (ZeRO-0 / DDP
   checkpointing off | full | every:K through `hfscale.scale.checkpointing` (non-reentrant, as the recipes run it)
   attention  sdpa | eager (transformers' attn_implementation); LoRA via peft on every decoder linear
   grad_accum 2+ traces two micro batches per step, so the second forward runs with gradients alive.
+  packing    False: each row one sequence (no mask: sdpa's causal path); True: each row packed with documents
+             (`packed_rows`, hfscale.models.documents' contract), run as a packed training step runs it
+             (use_cache=False), so transformers builds the block-diagonal [B, 1, S, S] mask of each layer type
+             (bool for sdpa, the compute dtype for eager) -- what the kernel gets; flash varlen builds none, which is
+             the unpacked trace's count (plus (D + 1) int32 offsets).
 
 Fidelity (CPU only): the trace equals a real CPU run's MemTracker numbers to the byte on the checked
 architectures, with and without checkpointing (tests/test_trace.py). It was 0.1-2.2% higher in forward with
@@ -71,6 +76,7 @@ class StepTrace:
     largest_module_param_bytes: int
     seconds: float
     kernels: str = "cpu"
+    packing: bool = False  # rows packed with documents: the block-diagonal masks counted (see the module docstring)
     attention_kernels: dict = field(default_factory=dict)  # cuda: kernel -> calls per micro batch (recompute too)
     depth: list[int] | None = None  # the two depths a scaled trace was extrapolated from (peak.py)
     # per micro batch's backward: gradient arrivals in order ([param index, elements, bytes, kinds], see
@@ -106,6 +112,7 @@ class StepTrace:
             "peak_breakdown": dict(steady[at].breakdown),
             "trace": {"kernels": self.kernels, "seconds": round(self.seconds, 2), "precision": self.precision,
                       "attention": self.attention, "checkpointing": self.checkpointing, "grad_accum": grad_accum,
+                      "packing": self.packing,
                       "attention_kernels": self.attention_kernels, "traced_layers": self.depth,
                       "assumes": ASSUMES if self.kernels == "cpu" else ASSUMES_CUDA},
         }
@@ -207,7 +214,7 @@ def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=()) -> 
         for _ in range(min(grad_accum, 2)):  # the second micro batch runs with gradients alive
             with mt:
                 with autocast:
-                    loss = model(input_ids=ids, labels=ids).loss
+                    loss = _loss(model, ids)
             fwd = _phase(mt)
             arrivals.clear()
             with mt.recording() if params else contextlib.nullcontext([]) as samples, mt:
@@ -253,7 +260,28 @@ def _state_bytes(opt) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=DEFAULT_ADAMW, levers=None):
+def packed_rows(micro_batch: int, seq_len: int, vocab_size: int, docs: int = 4) -> dict:
+    """A packed batch by hfscale.models.documents' contract for the traced step: each row `docs` documents of
+    seq_len // docs tokens (the last one takes the rest). The masks' bytes depend on B and S only; with at least
+    two documents per row transformers finds the rows packed."""
+    import torch
+
+    docs = max(1, min(docs, seq_len))
+    n = seq_len // docs
+    pos = torch.cat([torch.arange(n)] * (docs - 1) + [torch.arange(seq_len - (docs - 1) * n)])
+    ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
+    labels = ids.masked_fill(pos == 0, -100)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos.expand(micro_batch, seq_len).clone()}
+
+
+def _loss(model, batch):
+    """One micro batch's loss as the recipes compute it: full blocks (labels = inputs) or a packed batch."""
+    from ..models.loss import lm_loss
+
+    return lm_loss(model, batch)
+
+
+def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=DEFAULT_ADAMW, levers=None, packing=False):
     import torch
 
     from ..scale.checkpointing import apply_checkpointing_
@@ -265,7 +293,8 @@ def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=
         apply_levers_(model, levers)
     model.train()
     opt = _Optimizer(model, precision, adamw)
-    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+    ids = (packed_rows(micro_batch, seq_len, config.vocab_size) if packing
+           else torch.randint(0, config.vocab_size, (micro_batch, seq_len)))
     mt = step_tracker()
     mt.track_external(model, opt.opt, *(opt.master or []))
     opt.mt = mt
@@ -287,7 +316,7 @@ def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing
 
 def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                   checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, steps: int = 2,
-                  adamw: str = DEFAULT_ADAMW, levers=None) -> list[dict[str, PhasePeak]]:
+                  adamw: str = DEFAULT_ADAMW, levers=None, packing: bool = False) -> list[dict[str, PhasePeak]]:
     """Run `steps` whole training steps for real (random weights) under the same tracker: each step's phase
     peaks, what `trace_step` is checked against. Run it first in a fresh process: a second real run in
     the same process was measured to count one hidden-state tensor fewer (2.25 MiB on the tiny Gemma)."""
@@ -299,7 +328,7 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
     config = copy.deepcopy(config)
     torch.manual_seed(0)
     model = _build(config, precision, attention, lora_rank)
-    opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw, levers)
+    opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw, levers, packing)
     out = []
     for _ in range(steps):
         micros, _ = _micro_steps(model, mt, ids, precision, grad_accum)
@@ -311,13 +340,14 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1,
                optimizer_only: bool = False, adamw: str = DEFAULT_ADAMW, kernels: str = "cpu",
-               optimizer: bool = True, levers=None) -> StepTrace:
+               optimizer: bool = True, levers=None, packing: bool = False) -> StepTrace:
     """Trace step 1 of training the model `config` describes on fake tensors, and the steady optimizer step.
     `optimizer_only` skips forward and backward (`micro` is empty): both optimizer steps then run on
     gradients shaped as backward makes them (used to scale a trace to full depth, `peak.py`); `optimizer=False`
     skips the optimizer steps (the shallower traces a scaled trace reads forward and backward from).
     `levers`: hfscale.scale.long_context.Levers whose tiled loss / MLP the traced step runs (the offload
     moves tensors to host memory, which a CPU trace cannot tell apart: hfscale.plan.long_context models it).
+    `packing`: rows packed with documents (`packed_rows`): the block-diagonal masks sdpa / eager get are counted.
 
     Forward and backward are traced once: a steady step's differ from step 1's only by the optimizer
     states then alive (gradients are freed after each step). The optimizer step is traced twice (step 1
@@ -338,9 +368,9 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
         with torch.device("meta"):
             model = _build(config, precision, attention, lora_rank)
         with (FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm(),
-              _unpacked_rows()):
+              contextlib.nullcontext() if packing else _unpacked_rows()):
             opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
-                                  adamw, levers)
+                                  adamw, levers, packing)
             counts: Counter = Counter()
             with cuda_attention(counts) if kernels == "cuda" else contextlib.nullcontext():
                 micros, arrivals = (([], []) if optimizer_only
@@ -366,7 +396,7 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
                          f"{f' (op {op})' if op is not None else ''}: {_line(e)}") from None
     return StepTrace(model_type, precision, attention, checkpointing, micro_batch, seq_len, lora_rank, micros,
                      opt1, opt2, _state_bytes(opt), params, sum(p.numel() for p in opt.params), largest,
-                     time.perf_counter() - t0, kernels=kernels,
+                     time.perf_counter() - t0, kernels=kernels, packing=packing,
                      attention_kernels={k: v // len(micros) for k, v in counts.items()} if micros else {},
                      grad_arrivals=arrivals,
                      param_numels=[p.numel() for p in opt.params])

@@ -196,7 +196,8 @@ def tiled_loss_sum(lm_head, hidden, shift_labels, tiles: int, softcap: float | N
 
 def tile_loss_(model, tiles: int) -> None:
     """The CausalLM's forward, given `labels` (or SP's `shift_labels`), returns the mean loss over the labelled
-    tokens from `tiled_loss_sum` and logits=None; without labels it runs as before (evaluation, generation)."""
+    tokens from `tiled_loss_sum` (or their sum / `num_items_in_batch` when given, as transformers' loss) and
+    logits=None; without labels it runs as before (evaluation, generation)."""
     import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -211,11 +212,13 @@ def tile_loss_(model, tiles: int) -> None:
         if labels is None and shift_labels is None:
             return original(input_ids=input_ids, **kw)
         kw.pop("logits_to_keep", None)
+        denominator = kw.pop("num_items_in_batch", None)  # the step's trained tokens (hfscale.models.loss.lm_loss)
         out = base(input_ids=input_ids, **kw)
         if shift_labels is None:  # next token of each position; the last has none (as transformers' loss)
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        count = (shift_labels != -100).sum()
-        loss = tiled_loss_sum(head, out.last_hidden_state, shift_labels, tiles, softcap, tied) / count.clamp(min=1)
+        if denominator is None:
+            denominator = (shift_labels != -100).sum().clamp(min=1)
+        loss = tiled_loss_sum(head, out.last_hidden_state, shift_labels, tiles, softcap, tied) / denominator
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values)
 
     model.forward = forward
@@ -269,15 +272,15 @@ class Offload:
 
 
 def with_levers(loss_fn, levers: Levers, model):
-    """A loop's `loss_fn(model, batch)` whose forward runs under the offload when the switch is on (the tiled
+    """A loop's `loss_fn(model, batch[, denominator])` whose forward runs under the offload when the switch is on (the tiled
     levers live in the model itself, `apply_levers_`)."""
     if not levers.offload_activations:
         return loss_fn
     offload = Offload(model)
 
-    def offloaded(m, batch):
+    def offloaded(m, batch, *rest):
         with offload():
-            return loss_fn(m, batch)
+            return loss_fn(m, batch, *rest)
 
     offloaded.offload = offload
     return offloaded

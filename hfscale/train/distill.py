@@ -124,17 +124,38 @@ def gather_shares(accelerator, teacher) -> list[TeacherShare]:
 
 
 def kd_loss_fn(teacher, cfg):
-    """A loss_fn(model, batch) for hfscale.train.loop.train_steps."""
+    """A loss_fn(model, batch[, denominator]) for hfscale.train.loop.train_steps (the distill recipe's settings)."""
+    return distill_loss_fn(teacher, 1.0 - cfg.ce_weight, cfg.temperature)
+
+
+def distill_loss_fn(teacher, weight: float, temperature: float = 1.0):
+    """A loss_fn(model, batch[, denominator]) for hfscale.train.loop.train_steps: hfscale.compress.qat's
+    distillation_loss against the frozen `teacher` (weight on the KL; the distill and QAT recipes). Full blocks (a
+    tensor, every next token trained) or a packed batch (hfscale.models.documents: documents kept apart in the
+    teacher and the student, CE and KL over its trained tokens / the step's `denominator`)."""
     import torch
 
     from ..compress.qat import distillation_loss
 
-    def loss_fn(model, batch):
+    def loss_fn(model, batch, denominator=None):
+        inputs, labels = model_inputs(batch, model)
         with torch.no_grad():
-            t = teacher(input_ids=batch).logits
-        return distillation_loss(model(input_ids=batch).logits, t, batch, 1.0 - cfg.ce_weight, cfg.temperature)
+            t = teacher(**model_inputs(batch, teacher)[0]).logits
+        return distillation_loss(model(**inputs).logits, t, labels, weight, temperature, denominator)
 
     return loss_fn
+
+
+def model_inputs(batch, model):
+    """(forward kwargs without labels, labels) for full blocks (a tensor: labels = inputs) or a packed batch."""
+    import torch
+
+    from ..models.documents import attn_implementation, forward_kwargs
+
+    if isinstance(batch, torch.Tensor):
+        return {"input_ids": batch}, batch
+    inputs = forward_kwargs({k: v for k, v in batch.items() if k != "labels"}, attn_implementation(model))
+    return inputs, batch["labels"]
 
 
 def heldout_kl(model, teacher, accelerator, val, micro_batch: int, temperature: float = 1.0) -> float:
@@ -164,14 +185,17 @@ class _KLProbe(_probe_base()):
         self.student.train(mode)
         return self
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids, labels=None, num_items_in_batch=None, **packed):
+        """Full blocks (input_ids only: every next token) or a packed batch (labels, position_ids and
+        hfscale.models.documents' forward kwargs), as loop.evaluate passes them."""
         import types
 
         import torch
 
         from ..compress.qat import distillation_loss
 
+        labels = input_ids if labels is None else labels
         with torch.no_grad():
-            t = self.teacher(input_ids=input_ids).logits
-        return types.SimpleNamespace(loss=distillation_loss(self.student(input_ids=input_ids).logits, t, input_ids,
-                                                            1.0, self.temperature))
+            t = self.teacher(input_ids=input_ids, **packed).logits
+        return types.SimpleNamespace(loss=distillation_loss(self.student(input_ids=input_ids, **packed).logits, t,
+                                                            labels, 1.0, self.temperature, num_items_in_batch))

@@ -168,8 +168,13 @@ def load_blocks(cfg, tokenizer, data):
 
 
 def evaluate(model, accelerator, val, micro_batch: int) -> float:
-    """Mean next-token loss over the held-out blocks; every rank scores an equal share."""
+    """Mean next-token loss per trained token over the held-out data; every rank scores an equal share.
+    `val`: full blocks (a Long[N, S] tensor, every next token trained: rows-weighted, which for blocks of one
+    length is token-weighted) or a list of packed micro batches (hfscale.models.documents; `micro_batch` unused):
+    the sum over their trained tokens / their count, so a batch of short answers weighs what its tokens weigh."""
     import torch
+
+    from ..models.loss import lm_loss as batch_loss, trained_tokens
 
     world, rank = accelerator.num_processes, accelerator.process_index
     share = len(val) // world
@@ -177,17 +182,27 @@ def evaluate(model, accelerator, val, micro_batch: int) -> float:
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     model.eval()
     with torch.no_grad():
-        for i in range(0, share, micro_batch):
-            batch = mine[i : i + micro_batch].to(accelerator.device)
-            loss = model(input_ids=batch, labels=batch).loss
-            total += torch.tensor([loss.item() * len(batch), len(batch)], dtype=torch.float64, device=total.device)
+        if isinstance(val, torch.Tensor):
+            for i in range(0, share, micro_batch):
+                batch = mine[i : i + micro_batch].to(accelerator.device)
+                loss = model(input_ids=batch, labels=batch).loss
+                total += torch.tensor([loss.item() * len(batch), len(batch)], dtype=torch.float64, device=total.device)
+        else:
+            for batch in mine:
+                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                n = trained_tokens(batch["labels"])
+                if n:  # the summed loss: divided by 1
+                    total += torch.stack([batch_loss(model, batch, 1).double(), n.double()]).to(total.device)
     model.train()
     total = accelerator.reduce(total, reduction="sum")
-    return float(total[0] / total[1])
+    return float(total[0] / total[1].clamp(min=1))
 
 
-def lm_loss(model, batch):
-    return model(input_ids=batch, labels=batch).loss
+def lm_loss(model, batch, denominator=None):
+    """hfscale.models.loss.lm_loss: full blocks' mean, or a packed batch's trained-token sum / `denominator`."""
+    from ..models.loss import lm_loss as loss
+
+    return loss(model, batch, denominator)
 
 
 def resume_from(accelerator, resume, tag: str) -> int:
@@ -280,12 +295,20 @@ def run_precision(accelerator) -> str:
 
 
 def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start: int,
-                meta: dict, loss_fn=lm_loss, tag: str = "train_clm", data_rank: int | None = None, stop=None) -> None:
+                meta: dict, loss_fn=lm_loss, tag: str = "train_clm", data_rank: int | None = None, stop=None,
+                read_batch=None, step_tokens=None) -> None:
     """Steps start..max_steps: accumulate, clip (DeepSpeed clips per its JSON), log, evaluate, checkpoint.
     SIGTERM / SIGUSR1 (`stop`, a preempt.StopRequest; installed here when not given) end the run at the next
     step boundary on every rank: a checkpoint, then preempt.Preempted.
     `data_rank`: the rank whose sequences this process reads (default its own; under sequence parallelism the
     ranks of one SP group read the same ones, and `plan.world` counts the groups).
+    Data: full blocks (`train_blocks`, a Long[N, S] tensor; each micro batch's mean loss, averaged) or packed
+    batches: `read_batch(step, micro, rank)` -> a packed micro batch (hfscale.models.documents) and
+    `step_tokens(step)` -> the step's trained-token count over every micro batch and rank (from the data layer,
+    no communication); then `loss_fn(model, batch, step_tokens(step))` is this micro batch's share of the step's
+    sum / count, backward runs on share x accum x plan.world (hfscale.models.loss.backward_scale) and the logged
+    loss is the step's sum / count. `tokens_per_s` counts token slots (rows x seq_len, padding included);
+    packed runs also log the trained tokens (`trained_tokens`, `trained_tokens_per_s`).
     Progress: a tqdm bar, or with progress off (logs, the demo) a `[tag] step N/M` line every tenth of the run."""
     import contextlib
 
@@ -294,6 +317,7 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
 
     from ..plan.profiler import MemoryProfiler
     from .step import backward, deepspeed_engine, optimizer_step
+    from ..models.loss import backward_scale
     from .batching import rank_indices
     from .metrics import peak_memory_bytes
     from .preempt import Preempted, StopRequest
@@ -317,20 +341,23 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
         step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         profiled = prof is not None and step - start < cfg.profile_memory
         phase = (lambda name: prof.phase(name, step - start + 1)) if profiled else (lambda name: contextlib.nullcontext())
+        reader = accelerator.process_index if data_rank is None else data_rank
+        trained = None if read_batch is None else step_tokens(step)
         for micro in range(plan.accum):
-            idx = rank_indices(plan, len(train_blocks), cfg.seed, step, micro,
-                               accelerator.process_index if data_rank is None else data_rank)
-            batch = train_blocks[idx].to(accelerator.device)
+            if read_batch is None:
+                batch = train_blocks[rank_indices(plan, len(train_blocks), cfg.seed, step, micro, reader)].to(accelerator.device)
+            else:
+                batch = {k: v.to(accelerator.device) for k, v in read_batch(step, micro, reader).items()}
             with accelerator.accumulate(model):
                 with phase("forward"):
-                    loss = loss_fn(model, batch)
+                    loss = loss_fn(model, batch) if trained is None else loss_fn(model, batch, trained)
                 with phase("backward"):  # accelerator.backward, but DeepSpeed's step comes in optimizer_step
-                    backward(accelerator, loss)
+                    backward(accelerator, loss if trained is None else loss * backward_scale(plan.accum, plan.world))
                 if accelerator.sync_gradients and not deepspeed:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 with phase("optimizer"):
                     optimizer_step(accelerator, optimizer)
-            step_loss += loss.detach().double() / plan.accum
+            step_loss += loss.detach().double() / (plan.accum if trained is None else 1)
         if profiled and step - start + 1 == cfg.profile_memory:
             write_memory_profile(accelerator, prof, optimizer, cfg, plan)
         # one collective per step: every rank's mean loss (-> the global-batch loss), its peak memory, and whether
@@ -340,12 +367,17 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
         mine[0] = step_loss
         every = accelerator.gather(mine.unsqueeze(0))
         step_loss, peak, stopping = float(every[:, 0].mean()), int(every[:, 1].max()), bool(every[:, 2].max() > 0)
+        if trained is not None:  # shares of sum / count: the groups' shares add up (an SP group's ranks hold one each)
+            step_loss *= plan.world
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.max_steps:
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-            log.write({"kind": "train", "step": done, "loss": step_loss, "lr": lr_at(step, cfg),
-                       "tokens_per_s": plan.tokens_per_step / dt, "step_s": dt, "cpu_s": cpu, "peak_mem_bytes": peak, "mem": kind,
-                       "tokens_seen": done * plan.tokens_per_step})
+            record = {"kind": "train", "step": done, "loss": step_loss, "lr": lr_at(step, cfg),
+                      "tokens_per_s": plan.tokens_per_step / dt, "step_s": dt, "cpu_s": cpu, "peak_mem_bytes": peak, "mem": kind,
+                      "tokens_seen": done * plan.tokens_per_step}
+            if trained is not None:
+                record.update(trained_tokens=trained, trained_tokens_per_s=trained / dt)
+            log.write(record)
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.3f}")
         if not cfg.progress and accelerator.is_main_process and (done % max(1, cfg.max_steps // 10) == 0 or done == cfg.max_steps):
