@@ -54,7 +54,8 @@ def root():
 # --- tiers: `make test-fast` runs -m "not engine and not slow" (a few minutes) ---------------------------------
 # `engine` is marked where a test launches processes; `slow` is marked on the test (tests/test_install.py,
 # tests/test_readme.py) or here, for what a test file or fixture does rather than what it asserts:
-# fixtures that train: `trained` (the tiny fixture, 300 steps on a fresh cache), `pair` (test_distill_recipe: a
+# fixtures that train or feed slow work: `trained` (the tiny fixture, copied from the shipped weights; its tests export
+# and run what it holds), `pair` (test_distill_recipe: a
 # 40-step teacher and its pruned student)
 SLOW_FIXTURES = {"trained", "pair"}
 ENGINE_FIXTURES = {"uninterrupted_run"}  # test_recipe: a 2-process ZeRO-2 run the elastic tests compare against
