@@ -87,7 +87,7 @@ def train(cfg, force, pre, parallel) -> int:
     if parallel.sp > 1:  # one SP group reads one data-parallel share: the batch plan counts groups, not ranks
         import dataclasses
 
-        from hfscale.train.batching import plan_batch
+        from hfscale.data.sampler import plan_batch
 
         pre = dataclasses.replace(pre, plan=plan_batch(cfg.global_batch_tokens, cfg.seq_len, pre.plan.world // parallel.sp,
                                                        cfg.micro_batch))

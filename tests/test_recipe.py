@@ -18,7 +18,7 @@ import pytest
 from hfscale.util.atomic import STAGE_PREFIX
 from hfscale.util.errors import ConfigError
 from hfscale.scale.checkpointing import checkpointed_layers, resolve
-from hfscale.train.batching import plan_batch, rank_indices
+from hfscale.data.sampler import plan_batch, rank_indices
 from hfscale.train.config import TrainConfig, load_recipe
 from hfscale.train.metrics import read_records
 
@@ -159,7 +159,7 @@ def test_bad_input_one_line_exit_2(tmp_path, extra, env, needle):
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     """A real 2-step run in one process: the checkpoint the resume-refusal tests need."""
-    from hfscale.models.corpus import load_text
+    from hfscale.data.corpus import load_text
 
     base = tmp_path_factory.mktemp("single")
     ds = load_text()  # the user's own files: jsonl train, parquet validation
@@ -177,7 +177,7 @@ def one_process_run(tmp_path_factory):
 def test_local_data_formats(tmp_path, suffix):
     import datasets
 
-    from hfscale.models.corpus import load_text
+    from hfscale.data.corpus import load_text
 
     texts = [f"document {i} about the data model of Python objects." for i in range(40)]
     path = tmp_path / f"data{suffix}"
@@ -316,7 +316,7 @@ def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.models.corpus import load_text, packed_blocks
+    from hfscale.data.corpus import load_text, packed_blocks
     from hfscale.models import TINY, load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -459,7 +459,7 @@ def test_fsdp2_trains_survives_kill_9_and_resumes_on_2_and_on_1_rank(tmp_path):
 
 
 def test_hub_dataset_name_offline_is_one_clear_error(monkeypatch):
-    from hfscale.models.corpus import load_text
+    from hfscale.data.corpus import load_text
     from hfscale.util.errors import HfscaleError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

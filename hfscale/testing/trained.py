@@ -89,7 +89,7 @@ def _train(r: TinyTraining, out: Path, progress: bool) -> dict:
 
     import torch
 
-    from ..models.corpus import load_text, packed_blocks
+    from ..data.corpus import load_text, packed_blocks
     from ..models.builtin import TINY, build_model, load_tokenizer
 
     tok = load_tokenizer(TINY)

@@ -30,7 +30,7 @@ def lr_at(step: int, cfg) -> float:
 class Preflight:
     """Everything checked before a process group or a model exists, handed to the rest of the recipe."""
     model_config: object
-    plan: object  # batching.BatchPlan
+    plan: object  # data.sampler.BatchPlan
     data: dict
     ckpts: object  # state.Checkpoints
     resume: object | None  # state.Resume
@@ -55,12 +55,12 @@ def check_run_outputs(cfg) -> None:
 def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     """Every check that can fail on the user's input, before a process group or a model exists.
     `source`: the recipe YAML the settings came from (named in doctor's findings)."""
-    from ..models.corpus import load_text
+    from ..data.corpus import load_text
     from ..util.errors import HfscaleError
     from ..util.hosts import bf16_support, resolve_precision
     from ..models.builtin import load_config
     from ..scale.runtime import read_launch
-    from .batching import plan_batch
+    from ..data.sampler import plan_batch
     from .reshape import check_reshape
     from .state import Checkpoints, model_fingerprint
 
@@ -159,7 +159,7 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
 
 def load_blocks(cfg, tokenizer, data):
     """Train and held-out blocks: tokenised, packed to seq_len, bos ... eos per document."""
-    from ..models.corpus import packed_blocks
+    from ..data.corpus import packed_blocks
 
     train_blocks = packed_blocks(tokenizer, data["train"]["text"], cfg.seq_len)
     if cfg.max_train_blocks:
@@ -294,7 +294,7 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
 
     from ..plan.profiler import MemoryProfiler
     from .step import backward, deepspeed_engine, optimizer_step
-    from .batching import rank_indices
+    from ..data.sampler import rank_indices
     from .metrics import peak_memory_bytes
     from .preempt import Preempted, StopRequest
     from .state import fault

@@ -1,9 +1,13 @@
-"""Global batch in tokens -> micro batch x accumulation x ranks, and which sequences each rank reads.
+"""The sampler: global batch in tokens -> micro batch x accumulation x ranks, and which packed rows each rank reads.
 
-The data order is a pure function of (seed, step): optimizer step s reads sequences
-order[s*G : (s+1)*G] (G sequences per global batch), and within it micro step a of rank r reads
-the slice [(a*world + r)*micro, +micro). A resumed run therefore reads exactly what the
-uninterrupted run would have, with no data-loader state to save, at any world size.
+The data order is a pure function of (seed, step): optimizer step s reads rows order[s*G : (s+1)*G]
+(G rows per global batch, G = global batch tokens / seq_len, whatever the world size), and within it micro
+step a of rank r reads the slice [(a*world + r)*micro, +micro). A resumed run therefore starts at the next
+unseen row, exactly what the uninterrupted run would have read, with no data-loader state to save and no
+fast-forward, at any world size (or sequence-parallel degree: `data_parallel`).
+
+Every rank can count the trained tokens of a whole global step without communication (`step_trained`):
+the rows of step s are known, and the store holds each row's trained-token count in a memory map.
 """
 
 from __future__ import annotations
@@ -67,3 +71,27 @@ def rank_indices(plan: BatchPlan, n: int, seed: int, step: int, micro: int, rank
     pos = torch.arange(start, start + plan.micro_batch)
     epochs, within = pos // n, pos % n
     return torch.stack([epoch_order(n, seed, int(e))[int(w)] for e, w in zip(epochs, within)])
+
+
+def step_rows(plan: BatchPlan, n: int, seed: int, step: int):
+    """All rows of optimizer step `step` (every micro step of every rank), in the order ranks read them."""
+    import torch
+
+    return torch.cat([rank_indices(plan, n, seed, step, a, r) for a in range(plan.accum) for r in range(plan.world)])
+
+
+def step_trained(plan: BatchPlan, row_trained, seed: int, step: int) -> int:
+    """Trained tokens (labels != -100) of the whole global step: what the step's loss divides by, the same on
+    every rank. `row_trained`: the store's per-row counts (TokenStore.row_trained, a memory map)."""
+    import numpy as np
+
+    rows = step_rows(plan, len(row_trained), seed, step).numpy()
+    return int(np.asarray(row_trained)[rows].sum())
+
+
+def data_parallel(plan: BatchPlan, sp: int, rank: int) -> tuple[BatchPlan, int]:
+    """Under sequence parallelism of degree `sp` the ranks of one SP group read the same rows: the batch plan
+    counts groups, not ranks, and this rank reads as its group (DeepSpeed's SP groups are consecutive ranks)."""
+    if sp <= 1:
+        return plan, rank
+    return plan_batch(plan.tokens_per_step, plan.seq_len, plan.world // sp, plan.micro_batch), rank // sp

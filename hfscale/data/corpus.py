@@ -1,6 +1,6 @@
-"""The embedded corpus and the data pipeline shared by recipes, proofs and evaluation.
+"""The embedded corpus, read as `datasets` splits, and plain token blocks for scoring and proofs.
 
-Text: CPython 3.11's documentation prose (PSF License, see hfscale/data/corpus/LICENSE),
+Text: CPython 3.11's documentation prose (PSF License, see hfscale/models/data/corpus/LICENSE),
 1.57M characters of train and 93K of held-out validation, split by document. Loaded through
 `datasets` like any user's jsonl, so a user's files go through the same code.
 """
@@ -16,7 +16,7 @@ BUILTIN_CORPUS = "builtin"
 
 
 def corpus_files() -> dict[str, str]:
-    root = Path(str(resources.files("hfscale.models") / "data" / "corpus"))
+    root = Path(str(resources.files("hfscale.models") / "data" / "corpus"))  # package data stays in models/
     return {"train": str(root / "train.jsonl.gz"), "validation": str(root / "validation.jsonl.gz")}
 
 
@@ -93,18 +93,20 @@ def _load_hub(name: str):
 
 
 def packed_blocks(tokenizer, texts, seq_len: int):
-    """Tokenise documents (bos ... eos each), concatenate, and cut into rows of `seq_len` tokens.
-
-    Returns an int64 tensor [n_blocks, seq_len]; the tail shorter than a block is dropped.
-    """
+    """Documents (bos ... eos each) packed `wrapped` (hfscale.data.packing) into rows of `seq_len` tokens, as an int64
+    tensor [n_rows, seq_len] of token ids only (the last partial row dropped). For callers that score or prove on
+    plain blocks; training reads a store's rows with their labels and document boundaries (hfscale.data.dataset)."""
+    import numpy as np
     import torch
 
-    ids: list[int] = []
-    for doc in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]:
-        ids.append(tokenizer.bos_token_id)
-        ids.extend(doc)
-        ids.append(tokenizer.eos_token_id)
-    n = len(ids) // seq_len
-    if n == 0:
-        raise HfscaleError(f"the data holds {len(ids)} tokens, fewer than one block of {seq_len}; lower --seq-len")
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    from .formats import Tok, _wrap
+    from .packing import pack
+
+    tok = Tok(tokenizer, tokenizer.bos_token_id, tokenizer.eos_token_id, "")
+    docs = [_wrap(tok, d) for d in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
+    lens = np.array([len(d) for d in docs], dtype=np.int64)
+    rows = pack(lens, seq_len, "wrapped").rows
+    if rows == 0:
+        raise HfscaleError(f"the data holds {int(lens.sum())} tokens, fewer than one block of {seq_len}; lower --seq-len")
+    flat = np.fromiter((t for d in docs for t in d), dtype=np.int64, count=int(lens.sum()))
+    return torch.from_numpy(flat[: rows * seq_len].copy()).view(rows, seq_len)
