@@ -205,6 +205,9 @@ def check_example(enc: Encoded, tok: Tok, where: str) -> None:
     if not any(mask):
         raise HfscaleError(f"{where}: no token of this example is trained (an empty loss mask: no assistant turn or "
                            "completion); fix the example or use train_on: all")
+    if enc.chat and enc.checked and not tok.terminator:
+        raise HfscaleError(f"{where}: the chat template writes nothing after an assistant turn (no end-of-turn marker, no "
+                           "EOS), so the model cannot learn to stop; use a template that ends each turn")
     eos = [tok.tokenizer.convert_ids_to_tokens(tok.eos)] if tok.eos is not None else []
     terms = [t for t in ([tok.terminator] if enc.chat else eos if enc.chat is False else [tok.terminator, *eos]) if t]
     if enc.checked and terms:

@@ -200,14 +200,12 @@ def prepare(data, tokenizer, opts: DataOptions, out, rank: int = 0, world: int =
             return info
         _wait(lambda: _manifest_key(out) == key, work, started, poll_s)
         return open_info(out)
-    except OSError as e:
+    except (OSError, HfscaleError) as e:
         _fail(work, rank, world, e)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoreWriteError(f"writing the token store {out} failed ({e.strerror}); nothing half-written is left: "
+        cause = e if isinstance(e, OSError) else e.__cause__  # hfscale.util.atomic.staged words a full disk as a user error
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreWriteError(f"writing the token store {out} failed ({cause.strerror}); nothing half-written is left: "
                                   "free space or choose another --out") from None
-        raise
-    except HfscaleError as e:
-        _fail(work, rank, world, e)
         raise
 
 
@@ -350,9 +348,23 @@ class _Acc:
 
     def write(self, stage: Path, split: str, dtype) -> None:
         ids = np.concatenate(self.ids) if self.ids else np.zeros(0, dtype=np.int64)
-        ids.astype(dtype).tofile(stage / f"{split}.tok")
-        np.save(stage / f"{split}.len.npy", np.asarray(self.lens, dtype=np.int64))
-        np.save(stage / f"{split}.span.npy", np.concatenate(self.spans) if self.spans else np.zeros((0, 2), np.int64))
+        with open(stage / f"{split}.tok", "wb") as f:
+            f.write(ids.astype(dtype).tobytes())
+        save(stage / f"{split}.len.npy", np.asarray(self.lens, dtype=np.int64))
+        save(stage / f"{split}.span.npy", np.concatenate(self.spans) if self.spans else np.zeros((0, 2), np.int64))
+
+
+class _Plain:
+    """A file as numpy sees a non-file object: np.save then writes through .write, whose OSError keeps its errno
+    (ndarray.tofile raises a bare OSError on a full disk)."""
+
+    def __init__(self, f):
+        self.write = f.write
+
+
+def save(path: Path, arr) -> None:
+    with open(path, "wb") as f:
+        np.save(_Plain(f), arr)
 
 
 def _merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, vocab: int, log) -> StoreInfo:
@@ -392,17 +404,17 @@ def _merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, vo
             lens = np.concatenate(lens)
             docs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
             spans = np.concatenate(spans).astype(np.int64)
-            np.save(d / "docs.npy", docs)
+            save(d / "docs.npy", docs)
             all_trained = bool(len(spans) == len(lens) and np.array_equal(spans[:, 0], docs[:-1])
                                and np.array_equal(spans[:, 1], docs[1:]))
             if not all_trained:
-                np.save(d / "spans.npy", spans)
+                save(d / "spans.npy", spans)
             order = packing.mixture_order(np.concatenate(weights))
             packed = packing.pack(lens, opts.seq_len, resolved["packing"], order)
-            np.save(d / "segments.npy", packed.segments)
-            np.save(d / "row_ptr.npy", packed.row_ptr)
+            save(d / "segments.npy", packed.segments)
+            save(d / "row_ptr.npy", packed.row_ptr)
             trained = row_trained(packed, docs, None if all_trained else spans)
-            np.save(d / "row_trained.npy", trained)
+            save(d / "row_trained.npy", trained)
             c = {k: sum(st["splits"][split][k] for st in stats) for k in ("examples", "truncated", "dropped", "split")}
             splits[split] = SplitStats(documents=len(lens), tokens=packed.tokens, trained=int(trained.sum()),
                                        rows=packed.rows, efficiency=round(packed.efficiency, 6), **c)
