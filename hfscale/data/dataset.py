@@ -27,14 +27,15 @@ class PackedDataset:
     """Row i of a store split: {"input_ids", "labels", "position_ids"} as 1-D int64 tensors (unpadded).
     A torch map-style dataset (only __len__ / __getitem__), reading the store's memory maps."""
 
-    def __init__(self, store, split: str = "train", expect_key: str | None = None):
+    def __init__(self, store, split: str = "train", expect_key: str | None = None, limit: int = 0):
         from .store import TokenStore
 
         self.store = store if not isinstance(store, (str, Path)) else TokenStore(store, split, expect_key)
         self.seq_len = self.store.seq_len
+        self.n = min(len(self.store), limit) if limit else len(self.store)  # the first `limit` rows only
 
     def __len__(self) -> int:
-        return len(self.store)
+        return self.n
 
     def __getitem__(self, i: int) -> dict:
         import torch

@@ -31,7 +31,7 @@ class Preflight:
     """Everything checked before a process group or a model exists, handed to the rest of the recipe."""
     model_config: object
     plan: object  # data.sampler.BatchPlan
-    data: dict
+    data: object  # data.recipe.RunData: the store this run reads (its key goes into every checkpoint)
     ckpts: object  # state.Checkpoints
     resume: object | None  # state.Resume
     launch: object  # scale.runtime.LaunchView
@@ -55,7 +55,8 @@ def check_run_outputs(cfg) -> None:
 def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     """Every check that can fail on the user's input, before a process group or a model exists.
     `source`: the recipe YAML the settings came from (named in doctor's findings)."""
-    from ..data.corpus import load_text
+    from ..data.recipe import check_data
+    from ..util.cache import cache_root
     from ..util.errors import HfscaleError
     from ..util.hosts import bf16_support, resolve_precision
     from ..models.builtin import load_config
@@ -71,9 +72,13 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     if limit and cfg.seq_len > limit:
         raise HfscaleError(f"seq_len {cfg.seq_len} is longer than {cfg.model} supports ({limit}); use --seq-len {limit} or less")
     plan = plan_batch(cfg.global_batch_tokens, cfg.seq_len, launch.world, cfg.micro_batch)
-    data = load_text(cfg.data, cfg.validation)  # missing or unreadable files fail here
+    data = check_data(cfg.data, cfg.model, cfg.data_options, cache_root())  # missing files, bad options fail here
     ckpts = Checkpoints(cfg.output_dir, cfg.keep_last)
     resume = ckpts.resolve(cfg.resume, model_fingerprint(model_config), plan.tokens_per_step)
+    if resume is not None and resume.meta.get("data_key", data.key) != data.key:
+        raise HfscaleError(f"{resume.path} was trained on other data (token store key {resume.meta['data_key']}, this run's "
+                           f"is {data.key}: other files, tokenizer or data options); resume with the run's data, or start "
+                           "a new --output-dir")
     if resume is not None:
         check_reshape(resume.path, resume.meta, launch.world, launch.deepspeed)
     out = Path(cfg.output_dir)
@@ -157,14 +162,29 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
     return accelerator
 
 
-def load_blocks(cfg, tokenizer, data):
-    """Train and held-out blocks: tokenised, packed to seq_len, bos ... eos per document."""
-    from ..data.corpus import packed_blocks
+def load_blocks(cfg, tokenizer, data=None):
+    """Train and held-out blocks of token ids (bos ... eos per document, wrapped to seq_len): the text path of the
+    QAT and distillation recipes. train_clm reads a token store's rows (hfscale.data)."""
+    from ..data.corpus import load_text, packed_blocks
 
-    train_blocks = packed_blocks(tokenizer, data["train"]["text"], cfg.seq_len)
+    text = load_text(cfg.data, cfg.validation)
+    train_blocks = packed_blocks(tokenizer, text["train"]["text"], cfg.seq_len)
     if cfg.max_train_blocks:
         train_blocks = train_blocks[: cfg.max_train_blocks]
-    return train_blocks, packed_blocks(tokenizer, data["validation"]["text"], cfg.seq_len)[: cfg.eval_blocks]
+    return train_blocks, packed_blocks(tokenizer, text["validation"]["text"], cfg.seq_len)[: cfg.eval_blocks]
+
+
+def take_rows(rows, idx, device):
+    """The rows `idx` on `device`: a token store's rows as the batch contract (hfscale.data.dataset), or rows of a
+    block tensor (the text path of the QAT / distillation recipes)."""
+    import torch
+
+    if isinstance(rows, torch.Tensor):
+        return rows[idx].to(device)
+    from ..data.dataset import PackedCollator
+
+    batch = PackedCollator(rows.seq_len)([rows[int(i)] for i in idx])
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def evaluate(model, accelerator, val, micro_batch: int) -> float:
@@ -173,20 +193,22 @@ def evaluate(model, accelerator, val, micro_batch: int) -> float:
 
     world, rank = accelerator.num_processes, accelerator.process_index
     share = len(val) // world
-    mine = val[rank * share : (rank + 1) * share]
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     model.eval()
     with torch.no_grad():
         for i in range(0, share, micro_batch):
-            batch = mine[i : i + micro_batch].to(accelerator.device)
-            loss = model(input_ids=batch, labels=batch).loss
-            total += torch.tensor([loss.item() * len(batch), len(batch)], dtype=torch.float64, device=total.device)
+            idx = torch.arange(rank * share + i, rank * share + min(i + micro_batch, share))
+            loss = lm_loss(model, take_rows(val, idx, accelerator.device))
+            total += torch.tensor([loss.item() * len(idx), len(idx)], dtype=torch.float64, device=total.device)
     model.train()
     total = accelerator.reduce(total, reduction="sum")
     return float(total[0] / total[1])
 
 
 def lm_loss(model, batch):
+    """The batch contract (a dict: input_ids, labels, position_ids) or a block tensor (labels = inputs)."""
+    if isinstance(batch, dict):
+        return model(**batch).loss
     return model(input_ids=batch, labels=batch).loss
 
 
@@ -320,7 +342,7 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
         for micro in range(plan.accum):
             idx = rank_indices(plan, len(train_blocks), cfg.seed, step, micro,
                                accelerator.process_index if data_rank is None else data_rank)
-            batch = train_blocks[idx].to(accelerator.device)
+            batch = take_rows(train_blocks, idx, accelerator.device)
             with accelerator.accumulate(model):
                 with phase("forward"):
                     loss = loss_fn(model, batch)
