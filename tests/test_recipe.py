@@ -472,7 +472,7 @@ def test_malformed_data_file_one_line(tmp_path):
     bad.write_text('{"text": broken\n')
     r = run_recipe("--config", TINY_YAML, "--output-dir", tmp_path / "run", *FAST, "--data", bad)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "cannot read" in r.stderr and "as json" in r.stderr
+    assert f"{bad}:1: not valid JSON" in r.stderr  # the file and line (hfscale.data.sources)
     assert not (tmp_path / "run").exists()
 
 

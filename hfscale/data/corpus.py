@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..util.errors import HfscaleError, first_line
+from .sources import looks_like_hub_name, offline_refusal
 
 BUILTIN_CORPUS = "builtin"
 
@@ -31,7 +32,7 @@ def load_text(data: str = BUILTIN_CORPUS, validation: str | None = None):
     if data == BUILTIN_CORPUS:
         files = corpus_files()
         return datasets.DatasetDict({k: _read_one(v, "json") for k, v in files.items()})
-    if _looks_like_hub_name(data) and not Path(data).exists():
+    if looks_like_hub_name(data):
         return _load_hub(data)
     train = _read_one(data)
     if validation:
@@ -66,20 +67,11 @@ def _read_one(path: str, builder: str | None = None):
     return ds
 
 
-def _looks_like_hub_name(data: str) -> bool:
-    name = Path(data).name
-    return data.count("/") == 1 and not data.startswith((".", "/")) and "." not in name
-
-
 def _load_hub(name: str):
     """A hub dataset with a "text" column (network needed); validation split or 5% held out."""
-    import os
-
     import datasets
 
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
-        raise HfscaleError(f"{name} looks like a hub dataset but HF_HUB_OFFLINE is set; use a local .txt/.jsonl/.parquet "
-                           "file or 'builtin', or unset HF_HUB_OFFLINE")
+    offline_refusal(name)
     try:
         ds = datasets.load_dataset(name)
     except Exception as e:  # hub errors come in many types; the user needs the first line

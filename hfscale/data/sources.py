@@ -94,6 +94,9 @@ def files_of(source: Source) -> list[Path]:
     p = source.path
     if p == BUILTIN:
         return [builtin_files()["train"]]
+    if looks_like_hub_name(p):
+        offline_refusal(p)
+        return []
     if any(c in p for c in "*?["):
         found = sorted(Path(f) for f in glob.glob(p, recursive=True) if Path(f).is_file())
     elif Path(p).is_dir():
@@ -253,11 +256,16 @@ def _table_records(path, table, label: str) -> Iterator[tuple[str, dict]]:
         base += b.num_rows
 
 
-def _hub_records(name: str) -> Iterator[tuple[str, dict]]:
-    """A hub dataset's train split, streamed (network needed; refused offline)."""
+def offline_refusal(name: str) -> None:
+    """Hub names need the network: refused in one line where the hub is off (HF_HUB_OFFLINE, the Hub's own switch)."""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
         raise HfscaleError(f"{name} looks like a hub dataset but HF_HUB_OFFLINE is set; use a local .jsonl/.parquet/.txt "
                            "file or 'builtin', or unset HF_HUB_OFFLINE")
+
+
+def _hub_records(name: str) -> Iterator[tuple[str, dict]]:
+    """A hub dataset's train split, streamed (network needed; refused offline)."""
+    offline_refusal(name)
     import datasets
 
     try:
