@@ -18,7 +18,8 @@ from typing import Iterator
 
 from ..util.errors import ConfigError, HfscaleError, first_line
 
-BUILTIN = "builtin"
+BUILTIN = "builtin"  # the built-in corpus (text)
+BUILTIN_CHAT = "builtin-chat"  # the built-in chat set made from it (tools/build_chat.py)
 UNIT_BYTES = 32 << 20  # a work unit's input: ~8M tokens of text at ~4 bytes/token; parts stay small in memory
 SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
 
@@ -79,21 +80,29 @@ def _has_weight(part: str) -> bool:
 
 
 def looks_like_hub_name(data: str) -> bool:
+    if data in (BUILTIN, BUILTIN_CHAT):
+        return False
     name = Path(data).name
     return data.count("/") == 1 and not data.startswith((".", "/")) and "." not in name and not Path(data).exists()
 
 
-def builtin_files() -> dict[str, Path]:
+def builtin_files(name: str = BUILTIN) -> dict[str, Path]:
+    """{"train", "validation"} files of a built-in set."""
+    from importlib import resources
+
     from .corpus import corpus_files
 
+    if name == BUILTIN_CHAT:
+        root = Path(str(resources.files("hfscale.models") / "data" / "chat"))
+        return {k: root / f"{k}.jsonl.gz" for k in ("train", "validation")}
     return {k: Path(v) for k, v in corpus_files().items()}
 
 
 def files_of(source: Source) -> list[Path]:
     """The files a source names, sorted (globs and directories expanded; hidden files and stages skipped)."""
     p = source.path
-    if p == BUILTIN:
-        return [builtin_files()["train"]]
+    if p in (BUILTIN, BUILTIN_CHAT):
+        return [builtin_files(p)["train"]]
     if looks_like_hub_name(p):
         offline_refusal(p)
         return []
@@ -120,7 +129,7 @@ def units_of(sources: tuple[Source, ...]) -> list[Unit]:
     """Every source's work units, in a fixed order that depends on the files only."""
     out = []
     for i, src in enumerate(sources):
-        if src.path != BUILTIN and looks_like_hub_name(src.path):
+        if looks_like_hub_name(src.path):
             out.append(Unit(i, "hub:" + src.path))
             continue
         for f in files_of(src):
@@ -283,7 +292,7 @@ def input_fingerprint(sources: tuple[Source, ...], validation: str | None) -> li
 
     out = []
     for i, src in enumerate(sources):
-        if src.path != BUILTIN and looks_like_hub_name(src.path):
+        if looks_like_hub_name(src.path):
             out.append([i, "hub:" + src.path, src.weight])
         else:
             out.extend([i, *hash_file(f), src.weight] for f in files_of(src))

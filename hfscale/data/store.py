@@ -152,8 +152,8 @@ def store_key(data, tokenizer, opts: DataOptions) -> str:
 def _validation_file(sources, opts: DataOptions) -> str | None:
     if opts.validation:
         return opts.validation
-    if [s.path for s in sources] == [src_mod.BUILTIN]:
-        return str(src_mod.builtin_files()["validation"])
+    if len(sources) == 1 and sources[0].path in (src_mod.BUILTIN, src_mod.BUILTIN_CHAT):
+        return str(src_mod.builtin_files(sources[0].path)["validation"])
     return None
 
 
@@ -172,8 +172,7 @@ def prepare(data, tokenizer, opts: DataOptions, out, rank: int = 0, world: int =
     out = Path(out)
     sources = src_mod.parse_sources(data)
     vfile = _validation_file(sources, opts)
-    inputs = [f for s in sources if not src_mod.looks_like_hub_name(s.path) or s.path == src_mod.BUILTIN
-              for f in src_mod.files_of(s)] + ([Path(vfile)] if vfile else [])
+    inputs = [f for s in sources for f in src_mod.files_of(s)] + ([Path(vfile)] if vfile else [])
     check_overlap({out: "--out"}, {str(f): "--data" for f in inputs})
     check_parents({out: "--out"})
     key = store_key(sources, tokenizer, opts)
