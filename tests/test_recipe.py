@@ -312,17 +312,23 @@ def launch(config: str, out: Path, *args, env=None, check=True, fault=None, proc
     return rc, text
 
 
-def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2) -> float:
+def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2, data="builtin") -> float:
+    """The recipe's evaluation redone on the saved model: the first `blocks` held-out rows of the run's token store
+    (the same key: built-in data, seq_len), as the batch contract, mean of the micro batches' losses."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.data.corpus import load_text, packed_blocks
-    from hfscale.models import TINY, load_tokenizer
+    from hfscale.data import PackedCollator, PackedDataset
+    from hfscale.data.recipe import check_data, ready_store
+    from hfscale.data.store import DataOptions
+    from hfscale.util.cache import cache_root
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    val = packed_blocks(load_tokenizer(TINY), load_text()["validation"]["text"], seq_len)[:blocks]
+    store = ready_store(check_data(data, "tiny-gemma3", DataOptions(seq_len), cache_root()), 0, 1)  # the run's: reused
+    val = PackedDataset(store.path, "validation", limit=blocks)
     with torch.no_grad():
-        losses = [model(input_ids=val[i : i + micro], labels=val[i : i + micro]).loss.item() for i in range(0, blocks, micro)]
+        losses = [model(**PackedCollator(seq_len)([val[j] for j in range(i, i + micro)])).loss.item()
+                  for i in range(0, blocks, micro)]
     return sum(losses) / len(losses)
 
 
