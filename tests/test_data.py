@@ -338,3 +338,22 @@ def test_transformers_trainer_trains_from_the_store(chat_store, tmp_path):
     trainer = Trainer(build_model("tiny-gemma3"), args, train_dataset=ds, data_collator=PackedCollator(ds.seq_len))
     out = trainer.train()
     assert out.global_step == 2 and np.isfinite(out.training_loss)
+
+
+def test_trl_sfttrainer_trains_from_the_store(chat_store, tmp_path):
+    """TRL's SFTTrainer takes the store's rows as a prepared `datasets.IterableDataset` (its own tokenizing and packing
+    skipped: the store did both, with masks and boundaries) and the collator as data_collator."""
+    pytest.importorskip("trl")
+    from trl import SFTConfig, SFTTrainer
+
+    from hfscale.models import build_model
+
+    d, info = chat_store
+    ds = PackedDataset(info.path)
+    args = SFTConfig(str(tmp_path / "s"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, report_to=[],
+                     save_strategy="no", logging_steps=1, use_cpu=True, dataloader_num_workers=0,
+                     dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False)
+    trainer = SFTTrainer(model=build_model("tiny-gemma3"), args=args, train_dataset=ds.as_iterable(seed=0),
+                         data_collator=PackedCollator(ds.seq_len), processing_class=data_tokenizer("tiny-gemma3"))
+    out = trainer.train()
+    assert out.global_step == 2 and np.isfinite(out.training_loss)

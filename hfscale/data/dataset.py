@@ -46,6 +46,24 @@ class PackedDataset:
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                 "position_ids": torch.from_numpy(pos)}
 
+    def as_iterable(self, seed: int = 0):
+        """A `datasets.IterableDataset` of the rows (for TRL's SFTTrainer, which takes only `datasets` types):
+        streamed from the memory maps, every epoch in the sampler's seeded order (hfscale.data.sampler.epoch_order).
+        Give the trainer max_steps (an iterable has no length) and dataset_kwargs={"skip_prepare_dataset": True}."""
+        import datasets
+
+        def rows(n=len(self), store=self.store):
+            from .sampler import epoch_order
+
+            epoch = 0
+            while True:
+                for i in epoch_order(n, seed, epoch).tolist():
+                    ids, labels, pos = store.row(i)
+                    yield {"input_ids": ids, "labels": labels, "position_ids": pos}
+                epoch += 1
+
+        return datasets.IterableDataset.from_generator(rows)
+
     def trained_tokens(self, rows) -> int:
         return int(np.asarray(self.store.row_trained)[np.asarray(rows, dtype=np.int64)].sum())
 
