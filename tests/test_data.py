@@ -357,3 +357,19 @@ def test_trl_sfttrainer_trains_from_the_store(chat_store, tmp_path):
                          data_collator=PackedCollator(ds.seq_len), processing_class=data_tokenizer("tiny-gemma3"))
     out = trainer.train()
     assert out.global_step == 2 and np.isfinite(out.training_loss)
+
+
+def test_mixture_weights_repeat_and_subsample_sources(tmp_path, tok):
+    """'a:2,b:0.5': every document of a twice per pass, a fixed half of b's; held out by content, not by weight."""
+    for name, n in (("a", 40), ("b", 40)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"text": f"{name} document {i} about lists and tuples."}) + "\n")
+    info = prepare(f"{tmp_path / 'a.jsonl'}:2,{tmp_path / 'b.jsonl'}:0.5", tok.tokenizer,
+                   DataOptions(seq_len=64, packing="bfd", heldout=0.0), tmp_path / "store")
+    st = TokenStore(info.path)
+    seen = np.asarray(st.segments)[:, 0]
+    docs_a = info.splits["train"].documents // 2  # a's 40 documents come first (unit order), then b's 40
+    assert docs_a == 40
+    counts = np.bincount(seen, minlength=80)
+    assert (counts[:40] == 2).all() and set(counts[40:].tolist()) <= {0, 1} and 12 <= counts[40:].sum() <= 28

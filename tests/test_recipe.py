@@ -312,7 +312,7 @@ def launch(config: str, out: Path, *args, env=None, check=True, fault=None, proc
     return rc, text
 
 
-def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2, data="builtin") -> float:
+def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2, data="builtin", overflow=None) -> float:
     """The recipe's evaluation redone on the saved model: the first `blocks` held-out rows of the run's token store
     (the same key: built-in data, seq_len), as the batch contract, mean of the micro batches' losses."""
     import torch
@@ -324,7 +324,8 @@ def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2, data="bui
     from hfscale.util.cache import cache_root
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    store = ready_store(check_data(data, "tiny-gemma3", DataOptions(seq_len), cache_root()), 0, 1)  # the run's: reused
+    opts = DataOptions(seq_len, overflow=overflow)
+    store = ready_store(check_data(data, "tiny-gemma3", opts, cache_root()), 0, 1)  # the run's: reused
     val = PackedDataset(store.path, "validation", limit=blocks)
     with torch.no_grad():
         losses = [model(**PackedCollator(seq_len)([val[j] for j in range(i, i + micro)])).loss.item()
@@ -332,7 +333,7 @@ def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2, data="bui
     return sum(losses) / len(losses)
 
 
-def assert_trained_saved_reloads(out: Path, log: str, distributed: str, steps: int, keep: int, every: int):
+def assert_trained_saved_reloads(out: Path, log: str, distributed: str, steps: int, keep: int, every: int, data=None):
     """What every 2-rank run of the recipe shows (asserted on the reference runs of the elastic tests below, so no
     launch of its own): the batch line, every step logged, the loss falls, `keep_last` complete checkpoints and
     nothing partial, and a consolidated save (ZeRO-3: gathered from both ranks) that reloads to the live model's
@@ -351,7 +352,7 @@ def assert_trained_saved_reloads(out: Path, log: str, distributed: str, steps: i
     final = read_records(out / "metrics.jsonl", "eval")[steps]
     # live model (bf16 under DeepSpeed, autocast under DDP, ranks' shares) vs reloaded: measured
     # |delta| <= 5e-5; 1e-3 still catches a wrong or partial save (those move the loss by > 0.1)
-    assert abs(eval_loss_of_saved(out / "model") - final["loss"]) < 1e-3
+    assert abs(eval_loss_of_saved(out / "model", **(data or {})) - final["loss"]) < 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -623,17 +624,26 @@ def test_zero3_2_to_1_to_2_ranks(tmp_path):
     assert_export_matches_zero_to_fp32(ck / f"step_{stopped:08d}", tmp_path / "export1")
 
 
+CHAT = ["--data", "builtin-chat", "--overflow", "split"]
+
+
 @pytest.mark.engine
 def test_ddp_2_to_1_rank(tmp_path):
-    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same sequences per step. The 2-rank
-    reference also shows the recipe trains, saves and reloads under DDP (MULTI_CPU)."""
+    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same rows per step. On the built-in chat
+    set, so this is also the packed chat run resumed 2 -> 1 that reads exactly the uninterrupted run's rows, and the
+    2-rank reference shows the recipe trains chat data, saves and reloads under DDP (MULTI_CPU)."""
     ref = tmp_path / "ref"
-    _, log = launch("ddp.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "2", fault=f"record@{tmp_path}")
-    assert_trained_saved_reloads(ref, log, "MULTI_CPU", steps=6, keep=2, every=2)  # step 2's checkpoint removed
+    _, log = launch("ddp.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "2", *CHAT, fault=f"record@{tmp_path}")
+    # the built-in chat set: rendered by the template, assistant turns trained, bfd-packed rows (issue 36)
+    assert "format messages, train_on assistant, packing bfd, overflow split, seq_len 64" in log
+    assert re.search(r"train: 1,597 examples, [\d,]+ tokens, [\d,]+ trained \(\d+\.\d%\), truncated 0 / dropped \d+ / "
+                     r"split \d+", log)
+    assert_trained_saved_reloads(ref, log, "MULTI_CPU", steps=6, keep=2, every=2,  # step 2's checkpoint removed
+                                 data={"data": "builtin-chat", "overflow": "split"})
     (tmp_path / "indices.jsonl").rename(tmp_path / "ref_indices.jsonl")
     out = tmp_path / "run"
     shutil.copytree(ref / "checkpoints" / "step_00000004", out / "checkpoints" / "step_00000004")
-    _, log = launch("ddp.yaml", out, "--max-steps", "6", "--save-every", "2", "--resume", "latest", procs=1,
+    _, log = launch("ddp.yaml", out, "--max-steps", "6", "--save-every", "2", "--resume", "latest", *CHAT, procs=1,
                     fault=f"record@{tmp_path}")
     assert "at step 4 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
     assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), (5, 6))
