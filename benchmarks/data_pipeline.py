@@ -269,24 +269,22 @@ def main() -> int:
     print(results["host"], flush=True)
     results["packing"] = bench_packing()
     print(json.dumps(results["packing"]), flush=True)
-    results["throughput"] = bench_throughput()
-    print(json.dumps(results["throughput"]), flush=True)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         tmp = Path(tmp)
         data, written = make_text(tmp / "data0", sizes[0])
         results["prepare"] = {"mb": written / 1e6, **bench_prepare(tmp / "data0", tmp)}
         print(json.dumps(results["prepare"]), flush=True)
         results["rss"] = {}
-        for k, mb in enumerate(sizes):
-            d = tmp / f"data{k}"
-            if k:
-                make_text(d, mb)
-            results["rss"][mb] = bench_rss(d, tmp, Path(args.old) if (args.old and k == 0) else None)
+        for k, mb in enumerate(sizes):  # one jsonl file: the old path reads one file
+            d = tmp / f"rss{k}"
+            (path,), _ = make_text(d, mb, files=1)
+            results["rss"][mb] = bench_rss(path, tmp, Path(args.old) if (args.old and k == 0) else None)
             print(mb, json.dumps(results["rss"][mb]), flush=True)
-            if k:
-                import shutil
+            import shutil
 
-                shutil.rmtree(d)
+            shutil.rmtree(d)
+    results["throughput"] = bench_throughput()
+    print(json.dumps(results["throughput"]), flush=True)
     (OUT.with_suffix(".json")).write_text(json.dumps(results, indent=1))
     OUT.write_text(report(results))
     print(f"wrote {OUT}")

@@ -94,7 +94,7 @@ def packed_blocks(tokenizer, texts, seq_len: int):
     from .formats import Tok, _wrap
     from .packing import pack
 
-    tok = Tok(tokenizer, tokenizer.bos_token_id, tokenizer.eos_token_id, "")
+    tok = Tok(tokenizer, tokenizer.bos_token_id, tokenizer.eos_token_id, "")  # _wrap reads bos / eos only
     docs = [_wrap(tok, d) for d in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
     lens = np.array([len(d) for d in docs], dtype=np.int64)
     rows = pack(lens, seq_len, "wrapped").rows

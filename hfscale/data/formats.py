@@ -61,11 +61,13 @@ class Tok:
     bos: int | None
     eos: int | None
     terminator: str  # the text the chat template ends an assistant turn with ("" without a template)
+    tail: int = 3  # tokens decoded at the end of a trained run to find the terminator (its length + 2)
 
     @classmethod
     def of(cls, tokenizer) -> "Tok":
         term = _template_terminator(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
-        return cls(tokenizer, tokenizer.bos_token_id, tokenizer.eos_token_id, term)
+        n = len(tokenizer(term, add_special_tokens=False)["input_ids"]) if term else 1
+        return cls(tokenizer, tokenizer.bos_token_id, tokenizer.eos_token_id, term, max(n, 1) + 2)
 
     @property
     def has_template(self) -> bool:
@@ -211,8 +213,8 @@ def check_example(enc: Encoded, tok: Tok, where: str) -> None:
     eos = [tok.tokenizer.convert_ids_to_tokens(tok.eos)] if tok.eos is not None else []
     terms = [t for t in ([tok.terminator] if enc.chat else eos if enc.chat is False else [tok.terminator, *eos]) if t]
     if enc.checked and terms:
-        n = max(len(tok.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in terms) + 2
-        for end in _run_ends(mask):
+        n = tok.tail
+        for end in ([len(mask)] if all(mask) else _run_ends(mask)):
             # text, not ids: BPE may merge the terminator with what follows ("turn>" + "\n" -> ">\n")
             tail = tok.tokenizer.decode(ids[max(0, end - n): end]).rstrip()
             if not any(tail.endswith(t) for t in terms):

@@ -6,12 +6,13 @@ A store is a directory (made through a stage and one rename, hfscale.util.atomic
     train/, validation/     tokens.bin   uint16 (vocabulary <= 65,536) or uint32, all documents end to end
                             docs.npy     int64 [D + 1]  document d is tokens[docs[d]:docs[d+1]]
                             spans.npy    int64 [S, 2]   trained runs [start, end) (absent: every token trained)
-                            segments.npy int32 [N, 3]   the packing: (document, start, length), hfscale.data.packing
+                            segments.npy int32 [N, 2]   the packing: (document, start); a segment's length is the
+                                                        rest of its document or of its row, whichever ends first
                             row_ptr.npy  int64 [R + 1]  row r = segments[row_ptr[r]:row_ptr[r+1]]
                             row_trained.npy int32 [R]   tokens of row r with a label (what a step's loss divides by)
 
-Bytes per token: 2 (uint16) + 8 per document + 12 per segment (+ 16 per trained run where not every token
-trains): ~2.05 for 400-token documents.
+Bytes per token: 2 (uint16) + 8 per document + 8 per segment + 12 per row (+ 16 per trained run where not every
+token trains): 2.085 measured for ~200-token text documents in 2,048-token rows (benchmarks/data_pipeline.md).
 
 The key (xxh3-64) covers the input bytes (every file's content hash, in order, with its mixture weight), the
 tokenizer as it tokenizes (its serialized model, special tokens and chat template) and every option that
@@ -42,7 +43,7 @@ import numpy as np
 from ..util.errors import ConfigError, HfscaleError
 from . import formats, packing, sources as src_mod
 
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: segments without their lengths
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
 OVERFLOW = {"truncate": "keep the first seq_len tokens", "drop": "skip the example",
@@ -410,7 +411,7 @@ def _merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, vo
                 save(d / "spans.npy", spans)
             order = packing.mixture_order(np.concatenate(weights))
             packed = packing.pack(lens, opts.seq_len, resolved["packing"], order)
-            save(d / "segments.npy", packed.segments)
+            save(d / "segments.npy", packed.segments[:, :2])  # lengths follow: min(rest of the document, rest of the row)
             save(d / "row_ptr.npy", packed.row_ptr)
             trained = row_trained(packed, docs, None if all_trained else spans)
             save(d / "row_trained.npy", trained)
@@ -524,7 +525,10 @@ class TokenStore:
         """(input_ids, labels, position_ids) of packed row i, unpadded: labels -100 where untrained and at every
         segment's first token; position ids restart at 0 per segment."""
         ids, labels, pos = [], [], []
-        for doc, start, length in self.segments[self.row_ptr[i]: self.row_ptr[i + 1]].tolist():
+        used = 0
+        for doc, start in self.segments[self.row_ptr[i]: self.row_ptr[i + 1]].tolist():
+            length = min(int(self.docs[doc + 1] - self.docs[doc]) - start, self.seq_len - used)
+            used += length
             a = int(self.docs[doc]) + start
             t = np.asarray(self.tokens[a: a + length], dtype=np.int64)
             lab = t.copy()
