@@ -198,6 +198,17 @@ def test_existing_run_needs_resume_or_force(one_process_run):
     assert sorted(p.name for p in one_process_run.rglob("*")) == before
 
 
+def test_resume_on_other_data_refused(one_process_run):
+    """The checkpoint records its token store's key: the same run resumed on the built-in corpus (other bytes, so
+    another key) is refused in one line before anything launches, and nothing changes."""
+    before = sorted(p.name for p in one_process_run.rglob("*"))
+    r = run_recipe("--config", TINY_YAML, "--output-dir", one_process_run, *FAST, "--max-steps", "4", "--resume", "latest",
+                   "--data", "builtin")
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("train_clm")]
+    assert r.returncode == 2 and len(lines) == 1 and "was trained on other data (token store key" in lines[0], r.stderr
+    assert sorted(p.name for p in one_process_run.rglob("*")) == before
+
+
 def test_checkpoint_info_export_and_their_refusals(one_process_run, tmp_path, cli):
     """The single-process (DDP-format) checkpoint: info, export (the same tensors as its model.safetensors, reloading to
     the same logits); a wrong directory, a truncated file and an existing --out: one line, exit 2, nothing written."""
