@@ -373,3 +373,22 @@ def test_mixture_weights_repeat_and_subsample_sources(tmp_path, tok):
     assert docs_a == 40
     counts = np.bincount(seen, minlength=80)
     assert (counts[:40] == 2).all() and set(counts[40:].tolist()) <= {0, 1} and 12 <= counts[40:].sum() <= 28
+
+
+def test_units_split_a_file_on_line_boundaries_and_name_the_line(tmp_path, monkeypatch):
+    """A jsonl file cut into byte ranges: every line read exactly once, whatever the cut; an error in a later unit
+    still names its file:line."""
+    from hfscale.data import sources
+
+    lines = [json.dumps({"text": f"line {i} " + "x" * (i % 37)}) for i in range(500)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(sources, "UNIT_BYTES", 1000)
+    units = sources.units_of(sources.parse_sources(str(tmp_path / "d.jsonl")))
+    assert len(units) > 10
+    got = [r["text"] for u in units for _, r in sources.records(u)]
+    assert got == [json.loads(x)["text"] for x in lines]
+    lines[321] = '{"text": broken'
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(HfscaleError, match=r"d.jsonl:322: not valid JSON"):
+        for u in sources.units_of(sources.parse_sources(str(tmp_path / "d.jsonl"))):
+            list(sources.records(u))

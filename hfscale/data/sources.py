@@ -186,21 +186,35 @@ def _line_records(path: Path, unit: Unit, text: bool) -> Iterator[tuple[str, dic
             raw = f.readline()
             if not raw:
                 break
-            where = lambda: f"{path}:{line_no if line_no is not None else _line_of(path, f.tell() - len(raw))}"  # noqa: E731
+            where = Where(path, line_no, f.tell() - len(raw))
             if text:
                 s = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 if s.strip():
-                    yield where(), {"text": s}
+                    yield where, {"text": s}
             elif raw.strip():
                 try:
                     rec = json.loads(raw)
                 except ValueError as e:
-                    raise HfscaleError(f"{where()}: not valid JSON ({first_line(e, 100)}); one JSON object per line") from None
+                    raise HfscaleError(f"{where}: not valid JSON ({first_line(e, 100)}); one JSON object per line") from None
                 if not isinstance(rec, dict):
-                    raise HfscaleError(f"{where()}: a JSON {type(rec).__name__}, not an object; one {{...}} per line")
-                yield where(), rec
+                    raise HfscaleError(f"{where}: a JSON {type(rec).__name__}, not an object; one {{...}} per line")
+                yield where, rec
             if line_no is not None:
                 line_no += 1
+
+
+class Where:
+    """'file:line' of a record, for messages only: in a unit that starts mid-file the line number is counted from
+    the file's start when the text is first asked for (an error), never per record."""
+    __slots__ = ("path", "line", "offset")
+
+    def __init__(self, path: Path, line: int | None, offset: int):
+        self.path, self.line, self.offset = path, line, offset
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line if self.line is not None else _line_of(self.path, self.offset)}"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
 
 
 def _line_of(path: Path, offset: int) -> int:
