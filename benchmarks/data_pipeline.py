@@ -68,8 +68,9 @@ def prepare_cmd(data: Path, out: Path, rank: int | None = None, world: int | Non
     return cmd + (["--rank", str(rank), "--world", str(world)] if world else [])
 
 
-def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+def env(root: Path = ROOT) -> dict:
+    """The environment of every process measured: `root`'s hfscale imported (the old path: another checkout)."""
+    return {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": "1"}
 
 
@@ -103,11 +104,11 @@ def bench_prepare(data: Path, work: Path) -> dict:
             "bytes_per_token": info.bytes / tokens, "store_bytes": info.bytes}
 
 
-def peak_rss_of_tree(cmd, cwd=None) -> tuple[int, dict[int, int], float]:
+def peak_rss_of_tree(cmd, cwd=None, environ=None) -> tuple[int, dict[int, int], float]:
     """Run `cmd`; poll VmHWM of it and its descendants. Returns (status, {pid: peak kB} of python processes, seconds)."""
     import psutil
 
-    p = subprocess.Popen(cmd, env=env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(cmd, env=environ or env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peaks: dict[int, int] = {}
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
@@ -144,23 +145,13 @@ def bench_rss(data: Path, work: Path, old_root: Path | None) -> dict:
                "--data", str(data), "--output-dir", str(work / f"run-{tag}"), "--seq-len", "256", "--global-batch-tokens",
                "2048", "--micro-batch", "2", "--max-steps", "2", "--eval-every", "0", "--save-every", "0", "--eval-blocks",
                "4", "--progress", "false", "--precision", "fp32", "--force"]
-        e = {"HFSCALE_CACHE": str(work / f"cache-{tag}")}
-        os.environ.update(e)
-        try:
-            _, peaks, secs = peak_rss_of_tree(cmd, cwd=root)
-        finally:
-            os.environ.pop("HFSCALE_CACHE")
+        _, peaks, secs = peak_rss_of_tree(cmd, cwd=root, environ={**env(root), "HFSCALE_CACHE": str(work / f"cache-{tag}")})
         ranks = sorted(peaks.values())[-2:]
         return {"rank_peak_mb": [k / 1024 for k in ranks], "seconds": secs}
 
     res = {"new": launch(ROOT, "new")}
     if old_root is not None:
-        env_root = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = str(old_root)
-        try:
-            res["old"] = launch(old_root, "old")
-        finally:
-            os.environ["PYTHONPATH"] = env_root or ""
+        res["old"] = launch(old_root, "old")
     return res
 
 
