@@ -325,6 +325,7 @@ def test_full_disk_exits_74_with_nothing_half_written(tmp_path, cli):
 # --- users' own Trainer ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~10 s of CPU: the Trainer's set-up dominates 2 steps of the tiny model
 def test_transformers_trainer_trains_from_the_store(chat_store, tmp_path):
     """HF Trainer takes the store's Dataset and collator as they are (model(**batch)); 2 steps move the loss."""
     from transformers import Trainer, TrainingArguments
@@ -340,6 +341,7 @@ def test_transformers_trainer_trains_from_the_store(chat_store, tmp_path):
     assert out.global_step == 2 and np.isfinite(out.training_loss)
 
 
+@pytest.mark.slow  # as above
 def test_trl_sfttrainer_trains_from_the_store(chat_store, tmp_path):
     """TRL's SFTTrainer takes the store's rows as a prepared `datasets.IterableDataset` (its own tokenizing and packing
     skipped: the store did both, with masks and boundaries) and the collator as data_collator."""
