@@ -310,7 +310,8 @@ def report(r: dict) -> str:
     lines = ["# Data pipeline (issue 36)", "",
              f"**What ran where:** `python benchmarks/data_pipeline.py --mb {','.join(map(str, r['sizes_mb']))}`, one run, "
              f"this host: {r['host']}. The tiny built-in tokenizer (4,096 ids, fast `tokenizers` BPE) and model; "
-             "CPU only, other engineers' jobs sharing the 2 cores (timings are ratios within this run).", "",
+             "CPU only, other engineers' jobs sharing the 2 cores (timings are ratios within this run)."
+             + (f" (d) was rerun alone afterwards (`--only-d`, same code): {r['d_host']}." if "d_host" in r else ""), "",
              "## (a) prepare throughput", "",
              f"{a['mb']:.0f} MB of jsonl text (4 files), {a['tokens']:,} tokens, seq_len 2048, wrapped packing.", "",
              "| path | wall seconds | tokens/s (wall) | CPU seconds (all processes) | tokens per CPU second |",
@@ -335,7 +336,10 @@ def report(r: dict) -> str:
         for k, v in res.items():
             what = "token store (this change)" if k == "new" else "old path: every rank tokenizes into Python lists (main)"
             lines.append(f"| {mb} MB | {what} | {' / '.join(f'{x:,.0f}' for x in v['rank_peak_mb'])} | {v['seconds']:.0f} |")
-    lines += ["", "## (c) packing efficiency, built-in chat set", "",
+    lines += ["", "The old path is /work/main's checkout of the time (recipes/train_clm.py before this change), run at the "
+              "smaller size only: at ~0.4 GB the issue measured 18.1 GB peak RSS for one process. Not run here: >= 4 GB "
+              "of text (its prepare alone would take ~30-40 min on this shared 2-core host).",
+              "", "## (c) packing efficiency, built-in chat set", "",
               f"{p['examples']:,} conversations rendered with the template, lengths {p['len_min']}-{p['len_max']} tokens "
               f"(median {p['len_median']}), rows of {p['seq_len']}.", "",
               "| packing | efficiency | rows | seconds |", "|---|---:|---:|---:|"]
@@ -360,8 +364,13 @@ def report(r: dict) -> str:
                          f"{v['cpu_s']:.1f} | {v['trained_per_cpu_s']:,.0f} |")
         lines += ["", f"**Packed / padded at {t['seq_len']}: {t['speedup']:.2f}x by wall time, {t['cpu_speedup']:.2f}x by "
                   "CPU time** (target >= 1.5x).", ""]
-    lines += ["Wall-time ratios of (d) moved between runs on this shared host (0.77x to 4.26x over four runs while other "
-              "jobs came and went); CPU time is the steadier measure of the work each batch layout costs.", ""]
+    lines += ["(d) is not steady on this shared host (load ~5 on 2 cores from other jobs; torch's idle threads spin, so "
+              "CPU time inflates too): packed / padded by wall time over this session's runs of the same code was "
+              "1.78x (160 conversations, 1024), 0.77x (80, 1024, a test suite running beside), 1.68x / 1.49x, "
+              "4.26x / 2.44x and the run above (512 / 1024). Where the host was quiet the tiny model's packed rows win; "
+              "its attention (4 heads of 48 over a full 1024-token row, the block mask built from position ids) is a "
+              "large share of its compute, so the gain at 1024 is smaller than at 512. Not measured: a GPU with "
+              "flash-attention's varlen kernel, where a packed row costs no cross-document attention at all.", ""]
     return "\n".join(lines)
 
 
