@@ -72,9 +72,10 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     if limit and cfg.seq_len > limit:
         raise HfscaleError(f"seq_len {cfg.seq_len} is longer than {cfg.model} supports ({limit}); use --seq-len {limit} or less")
     plan = plan_batch(cfg.global_batch_tokens, cfg.seq_len, launch.world, cfg.micro_batch)
-    data = check_data(cfg.data, cfg.model, cfg.data_options, cache_root())  # missing files, bad options fail here
     ckpts = Checkpoints(cfg.output_dir, cfg.keep_last)
+    # a resume of another model is refused first: the data check below loads the model's tokenizer
     resume = ckpts.resolve(cfg.resume, model_fingerprint(model_config), plan.tokens_per_step)
+    data = check_data(cfg.data, cfg.model, cfg.data_options, cache_root())  # missing files, bad options fail here
     if resume is not None and resume.meta.get("data_key", data.key) != data.key:
         raise HfscaleError(f"{resume.path} was trained on other data (token store key {resume.meta['data_key']}, this run's "
                            f"is {data.key}: other files, tokenizer or data options); resume with the run's data, or start "
