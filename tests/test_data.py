@@ -186,6 +186,28 @@ def test_sampler_counts_a_steps_trained_tokens_without_communication(chat_store)
         assert sorted(step_rows(plan2, n, 5, step).tolist()) == sorted(step_rows(plan1, n, 5, step).tolist())
 
 
+def test_step_reader_counts_what_the_loss_sums_over(chat_store):
+    """train_clm's read_batch / step_tokens (StepReader) on the first 40 rows only (max_train_blocks): the step's
+    count is the sum of hfscale.models.loss.trained_tokens (labels[:, 1:] != -100) over every micro batch and rank
+    it hands out, so the loss's denominator is exactly the number of tokens it sums over; MicroBatches covers the
+    rows once, in order."""
+    from hfscale.data.dataset import MicroBatches, StepReader
+    from hfscale.models.loss import trained_tokens
+
+    d, info = chat_store
+    ds = PackedDataset(info.path, limit=40)
+    plan = plan_batch(128 * 8, 128, 2, 2)
+    reader = StepReader(ds, plan, 5)
+    for step in (0, 2, 7):  # 7 x 8 rows > 40: the order wraps into the next epoch of the 40 rows
+        batches = [reader.batch(step, a, r) for a in range(plan.accum) for r in range(plan.world)]
+        assert all((b["labels"][:, 0] == -100).all() for b in batches)  # the contract: nothing predicts a row's first
+        assert reader.trained(step) == sum(int(trained_tokens(b["labels"])) for b in batches) > 0
+    val = MicroBatches(ds, 3)
+    assert len(val) == 14 and val[13]["input_ids"].shape[0] == 1  # 13 x 3 + 1 rows
+    assert torch.equal(torch.cat([val[j]["input_ids"] for j in range(len(val))]),
+                       PackedCollator(128)([ds[i] for i in range(40)])["input_ids"])
+
+
 def test_key_covers_data_tokenizer_and_options(chat_store, tok, tmp_path):
     from hfscale.data.store import store_key
 
