@@ -17,6 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# the one next-token loss (full blocks' mean, or a packed batch's trained-token sum / the step's count), re-exported
+# as train_steps' default loss_fn and for the recipes (no torch at import)
+from ..models.loss import lm_loss
+
 
 def lr_at(step: int, cfg) -> float:
     """Linear warm-up over warmup_steps, then cosine from lr down to lr x min_lr_ratio at max_steps."""
@@ -183,7 +187,7 @@ def evaluate(model, accelerator, val, micro_batch: int) -> float:
     tokens / their count, so a batch of short answers weighs what its tokens weigh."""
     import torch
 
-    from ..models.loss import lm_loss, trained_tokens
+    from ..models.loss import trained_tokens
 
     world, rank = accelerator.num_processes, accelerator.process_index
     share = len(val) // world
@@ -205,14 +209,6 @@ def evaluate(model, accelerator, val, micro_batch: int) -> float:
     model.train()
     total = accelerator.reduce(total, reduction="sum")
     return float(total[0] / total[1].clamp(min=1))
-
-
-def lm_loss(model, batch, denominator=None):
-    """hfscale.models.loss.lm_loss (the one home of the loss): full blocks' mean, or a packed batch's
-    trained-token sum / `denominator`. Here so that `loss_fn` has a default the recipes can name."""
-    from ..models.loss import lm_loss as loss
-
-    return loss(model, batch, denominator)
 
 
 def resume_from(accelerator, resume, tag: str) -> int:
