@@ -40,7 +40,7 @@ from hfscale.compress.evaluate import EvalData, calibration_blocks, heldout_bloc
 from hfscale.compress.ptq import ptq_in_memory, quantized_bytes_in_memory  # noqa: E402
 from hfscale.compress.qat import convert_qat_, prepare_qat_  # noqa: E402
 from hfscale.compress.schemes import QuantSpec  # noqa: E402
-from hfscale.models.corpus import load_text, packed_blocks  # noqa: E402
+from hfscale.data.corpus import load_text, packed_blocks  # noqa: E402
 from hfscale.models import build_model, load_tokenizer  # noqa: E402
 from hfscale.testing.trained import TinyTraining, trained_tiny  # noqa: E402
 

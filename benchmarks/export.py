@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from hfscale.util.atomic import write_text_atomic  # noqa: E402
 from hfscale.compress.ggml_grid import convert_q4_0_, prepare_q4_0_qat_  # noqa: E402
-from hfscale.models.corpus import load_text, packed_blocks  # noqa: E402
+from hfscale.data.corpus import load_text, packed_blocks  # noqa: E402
 from hfscale.export import FORMATS  # noqa: E402
 from hfscale.export.evalset import EvalSet  # noqa: E402
 from hfscale.models import build_model, load_tokenizer  # noqa: E402

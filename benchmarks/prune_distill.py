@@ -40,7 +40,7 @@ from hfscale.util.atomic import write_text_atomic  # noqa: E402
 from hfscale.compress.evaluate import EvalData, calibration_blocks, heldout_blocks, score  # noqa: E402
 from hfscale.compress.prune import PruneTarget, describe, prune  # noqa: E402
 from hfscale.compress.save import save_model_dir  # noqa: E402
-from hfscale.models.corpus import load_text, packed_blocks  # noqa: E402
+from hfscale.data.corpus import load_text, packed_blocks  # noqa: E402
 from hfscale.models import load_for_eval  # noqa: E402
 from hfscale.testing.trained import trained_tiny  # noqa: E402
 

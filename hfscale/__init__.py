@@ -28,14 +28,15 @@ _LAZY = {
 }
 # public subpackages and modules: name -> where it lives
 _SUBMODULES = {"doctor": ".doctor", "plan": ".plan", "scale": ".scale", "compress": ".compress", "export": ".export",
-               "train": ".train", "experts": ".experts", "models": ".models", "corpus": ".models.corpus",
+               "train": ".train", "experts": ".experts", "models": ".models", "corpus": ".data.corpus", "data": ".data",
                "proof": ".proofs.engine"}
 
 # Modules that lived at other paths before the layout of 0.1 (util/, models/, proofs/, testing/): the old
 # dotted paths keep importing the same module objects (`from hfscale.models import build_model` still works).
 _MOVED = {
     "atomic": "util.atomic", "cache": "util.cache", "errors": "util.errors", "quiet": "util.quiet",
-    "extras": "util.extras", "hosts": "util.hosts", "corpus": "models.corpus", "plan.dims": "models.dims",
+    "extras": "util.extras", "hosts": "util.hosts", "corpus": "data.corpus", "models.corpus": "data.corpus",
+    "train.batching": "data.sampler", "plan.dims": "models.dims",
     "proof": "proofs.engine", "parallel_proof": "proofs.parallel", "profile": "proofs.profile",
     "demo": "proofs.demo", "checkpointing": "scale.checkpointing", "slurm": "scale.slurm",
     "pretrained": "testing.trained", "plan.zoo": "testing.zoo", "experts.tiny": "testing.tiny_moe",

@@ -41,16 +41,29 @@ def main(argv=None) -> int:
         cfg = load_recipe(config_path, overrides)
         pre = preflight(cfg, force, source=config_path)
         parallel = check_parallel(cfg, pre)
+        store = prepare_data(pre, rank)
     except HfscaleError as e:
         if rank == 0:
             print(f"train_clm: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "status", 2)  # 74: the disk filled while the token store was written
     from hfscale.train.loop import stopped
 
     try:
-        return train(cfg, force, pre, parallel)
+        return train(cfg, force, pre, parallel, store)
     except Exception as e:  # a preemption (75), a failed save (74), a resume the ranks disagree on (2); else re-raised
         return stopped(e, "train_clm", rank)
+
+
+def prepare_data(pre, rank: int):
+    """The token store, before any process group: every rank tokenizes a share, rank 0 merges (no rank waits
+    alone behind a barrier for the whole corpus); a store already there (same key) is reused at any world size."""
+    from hfscale.data.recipe import ready_store
+
+    store = ready_store(pre.data, rank, pre.launch.world)
+    if rank == 0:
+        for line in store.lines():
+            print(f"[train_clm] data: {line.strip()}", flush=True)
+    return store
 
 
 def check_parallel(cfg, pre):
@@ -73,35 +86,41 @@ def check_parallel(cfg, pre):
     return parallel
 
 
-def train(cfg, force, pre, parallel) -> int:
-    from hfscale.models import build_model, load_tokenizer
+def train(cfg, force, pre, parallel, store) -> int:
+    from hfscale.models import build_model
     from hfscale.scale.optim import adamw_impl
     from hfscale.scale.runtime import make_optimizer
     from hfscale.scale.checkpointing import apply_checkpointing_
     from hfscale.scale.long_context import apply_levers_, with_levers
     from hfscale.scale.ulysses import per_layer_heads
-    from hfscale.train.loop import evaluate, lm_loss, load_blocks, resume_from, start_run, train_steps
+    from hfscale.data.dataset import MicroBatches, StepReader
+    from hfscale.data.recipe import run_datasets
+    from hfscale.train.loop import evaluate, lm_loss, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint, save_final
+    from hfscale.data.sampler import data_parallel
 
-    data_rank = None
-    if parallel.sp > 1:  # one SP group reads one data-parallel share: the batch plan counts groups, not ranks
+    # under SP the ranks of one group read the same rows: the batch plan counts groups (hfscale.data.sampler)
+    sp_plan, data_rank = data_parallel(pre.plan, parallel.sp, int(os.environ.get("RANK", "0")))
+    if parallel.sp > 1:
         import dataclasses
 
-        from hfscale.train.batching import plan_batch
-
-        pre = dataclasses.replace(pre, plan=plan_batch(cfg.global_batch_tokens, cfg.seq_len, pre.plan.world // parallel.sp,
-                                                       cfg.micro_batch))
-        data_rank = int(os.environ.get("RANK", "0")) // parallel.sp  # DeepSpeed's SP groups are consecutive ranks
+        pre = dataclasses.replace(pre, plan=sp_plan)
+    else:
+        data_rank = None
     plan, data, ckpts, resume = pre.plan, pre.data, pre.ckpts, pre.resume
     # --- launch: process group (gloo on CPU hosts), clean output dir, batch arithmetic ---
     accelerator = start_run(cfg, force, pre, tag="train_clm")
     main_rank = accelerator.is_main_process
     out = Path(cfg.output_dir)
 
-    # --- data: tokenised, packed to seq_len, bos ... eos per document ---
-    tokenizer = load_tokenizer(cfg.model)
-    train_blocks, val_blocks = load_blocks(cfg, tokenizer, data)
+    # --- data: the token store's packed rows (labels masked, positions restarting per document), memory-mapped ---
+    tokenizer = data.tokenizer  # the model's, with the built-in chat template for the tiny model (saved with it)
+    train_rows, val_rows = run_datasets(store, cfg.max_train_blocks, cfg.eval_blocks)
+    # step s, micro a, rank r: the sampler's rows as one packed micro batch; the step's loss divides by its
+    # trained-token count over every micro batch and rank, read from the store (no communication)
+    reader = StepReader(train_rows, plan, cfg.seed)
+    val_batches = MicroBatches(val_rows, plan.micro_batch)
 
     # --- model ---
     model = build_model(cfg.model, seed=cfg.seed)
@@ -124,20 +143,20 @@ def train(cfg, force, pre, parallel) -> int:
     loss_fn = with_levers(loss_fn, cfg.levers, model)  # activation offload around the forward
     if main_rank:
         print(f"[train_clm] {cfg.model}: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} params, "
-              f"{len(train_blocks):,} train / {len(val_blocks)} eval sequences, checkpointed layers {layers or 'none'}, "
+              f"{len(train_rows):,} train / {len(val_rows)} eval rows, checkpointed layers {layers or 'none'}, "
               f"AdamW {adamw_impl(optimizer)}"
               + (f"; {', '.join(levers)}" if levers else ""))
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config), "world": plan.world,
-            "tokens_per_step": plan.tokens_per_step}
+            "tokens_per_step": plan.tokens_per_step, "data_key": store.key}
 
     # --- train ---
-    train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start, meta, loss_fn=loss_fn,
-                data_rank=data_rank)
+    train_steps(accelerator, model, optimizer, cfg, plan, train_rows, val_batches, ckpts, log, start, meta, loss_fn=loss_fn,
+                data_rank=data_rank, read_batch=reader.batch, step_tokens=reader.trained)
 
     # --- evaluate and save ---
-    ev = evaluate(model, accelerator, val_blocks, plan.micro_batch)
+    ev = evaluate(model, accelerator, val_batches, plan.micro_batch)
     log.write({"kind": "eval", "step": cfg.max_steps, "loss": ev, "ppl": math.exp(ev), "final": True})
     saved = save_final(accelerator, model, tokenizer, out / "model")
     if main_rank:

@@ -56,7 +56,7 @@ def test_distill_zero2_two_processes_kill_resume_save(tmp_path, pair):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.models.corpus import load_text, packed_blocks
+    from hfscale.data.corpus import load_text, packed_blocks
     from hfscale.models import load_tokenizer
     from hfscale.train.metrics import read_records
     from hfscale.train.state import saved_numel

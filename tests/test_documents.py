@@ -293,7 +293,7 @@ def test_train_steps_packed_step_is_the_gradient_of_sum_over_count(tmp_path):
 
     from accelerate import Accelerator
 
-    from hfscale.train.batching import BatchPlan
+    from hfscale.data.sampler import BatchPlan
     from hfscale.train.config import TrainConfig
     from hfscale.train.loop import train_steps
     from hfscale.train.metrics import MetricsLog, read_records

@@ -22,7 +22,7 @@ def test_tokenizer_round_trips_and_uses_gemma_ids():
 
 
 def test_corpus_is_real_text_with_a_disjoint_held_out_split():
-    from hfscale.models.corpus import load_text
+    from hfscale.data.corpus import load_text
 
     ds = load_text()
     train, val = ds["train"], ds["validation"]
@@ -35,7 +35,7 @@ def test_corpus_is_real_text_with_a_disjoint_held_out_split():
 
 
 def test_user_text_file_goes_through_the_same_path(tmp_path):
-    from hfscale.models.corpus import load_text
+    from hfscale.data.corpus import load_text
 
     f = tmp_path / "my.txt"
     f.write_text("\n".join(f"line {i} of my own text" for i in range(100)))
@@ -44,7 +44,7 @@ def test_user_text_file_goes_through_the_same_path(tmp_path):
 
 
 def test_packed_blocks_shape_and_boundaries():
-    from hfscale.models.corpus import packed_blocks
+    from hfscale.data.corpus import packed_blocks
     from hfscale.models import load_tokenizer
 
     tok = load_tokenizer("tiny-gemma3")

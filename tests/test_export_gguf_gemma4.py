@@ -68,7 +68,7 @@ def _build(cfg, out, steps: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.models.corpus import load_text, packed_blocks
+    from hfscale.data.corpus import load_text, packed_blocks
     from hfscale.models import load_tokenizer
 
     tok = load_tokenizer("tiny-gemma3")

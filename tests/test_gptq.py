@@ -138,7 +138,7 @@ def trained():
 
 @pytest.fixture(scope="session")
 def data(trained):
-    from hfscale.models.corpus import load_text, packed_blocks
+    from hfscale.data.corpus import load_text, packed_blocks
     from hfscale.models import load_tokenizer
 
     tok, ds = load_tokenizer(trained), load_text()

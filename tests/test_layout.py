@@ -36,7 +36,7 @@ def test_top_level_holds_subpackages_only():
     loose = sorted(p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert loose == [], f"loose modules beside the subpackages: {loose}"
     subs = sorted(p.name for p in PKG.iterdir() if (p / "__init__.py").is_file())
-    assert {"util", "models", "scale", "plan", "doctor", "train", "compress", "export", "experts", "proofs", "cli",
+    assert {"util", "models", "data", "scale", "plan", "doctor", "train", "compress", "export", "experts", "proofs", "cli",
             "testing"} == set(subs)
 
 
@@ -55,6 +55,7 @@ def test_subpackages_import_one_way():
     # the layers from the bottom: nothing below imports what is above it
     assert edges["util"] == set()
     assert edges["models"] <= {"util"}
+    assert edges["data"] <= {"util", "models"}  # the data layer: no accelerate, no process groups (staged renames)
     assert edges["scale"] <= {"util", "models"}
     assert "testing" not in set().union(*(v for k, v in edges.items() if k != "testing")), "the package imports its test support"
 
@@ -71,7 +72,10 @@ def test_names_users_import_keep_working():
 
     assert hfscale.models.build_model is build_model and hfscale.proof.launch is launch
     assert apply_checkpointing_.__module__ == "hfscale.scale.checkpointing" and callable(load_tokenizer)
-    assert hfscale.corpus.__name__ == "hfscale.models.corpus"
+    assert hfscale.corpus.__name__ == "hfscale.data.corpus"
+    from hfscale.models.corpus import load_text  # the old path of the corpus module
+
+    assert load_text is hfscale.data.corpus.load_text
 
 
 def test_import_hfscale_and_the_old_paths_stay_light():

@@ -42,7 +42,7 @@ def test_qat_recipe_zero2_two_processes(tmp_path, trained):
     from transformers import AutoModelForCausalLM
 
     from hfscale.compress.evaluate import perplexity
-    from hfscale.models.corpus import load_text, packed_blocks
+    from hfscale.data.corpus import load_text, packed_blocks
     from hfscale.models import load_tokenizer
     from hfscale.proofs.engine import free_port
     from hfscale.train.metrics import read_records

@@ -19,7 +19,7 @@ from hfscale.util.atomic import STAGE_PREFIX
 from hfscale.util.errors import ConfigError
 from hfscale.scale.checkpointing import checkpointed_layers, resolve
 from hfscale.testing.aligned import load_owned
-from hfscale.train.batching import plan_batch, rank_indices
+from hfscale.data.sampler import plan_batch, rank_indices
 from hfscale.train.config import TrainConfig, load_recipe
 from hfscale.train.metrics import read_records
 
@@ -160,7 +160,7 @@ def test_bad_input_one_line_exit_2(tmp_path, extra, env, needle):
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     """A real 2-step run in one process: the checkpoint the resume-refusal tests need."""
-    from hfscale.models.corpus import load_text
+    from hfscale.data.corpus import load_text
 
     base = tmp_path_factory.mktemp("single")
     ds = load_text()  # the user's own files: jsonl train, parquet validation
@@ -179,7 +179,7 @@ def one_process_run(tmp_path_factory):
 def test_local_data_formats(tmp_path, suffix):
     import datasets
 
-    from hfscale.models.corpus import load_text
+    from hfscale.data.corpus import load_text
 
     texts = [f"document {i} about the data model of Python objects." for i in range(40)]
     path = tmp_path / f"data{suffix}"
@@ -197,6 +197,17 @@ def test_existing_run_needs_resume_or_force(one_process_run):
     before = sorted(p.name for p in one_process_run.rglob("*"))
     r = run_recipe("--config", TINY_YAML, "--output-dir", one_process_run, *FAST, "--max-steps", "2")
     assert r.returncode == 2 and "--resume latest" in r.stderr and "--force" in r.stderr
+    assert sorted(p.name for p in one_process_run.rglob("*")) == before
+
+
+def test_resume_on_other_data_refused(one_process_run):
+    """The checkpoint records its token store's key: the same run resumed on the built-in corpus (other bytes, so
+    another key) is refused in one line before anything launches, and nothing changes."""
+    before = sorted(p.name for p in one_process_run.rglob("*"))
+    r = run_recipe("--config", TINY_YAML, "--output-dir", one_process_run, *FAST, "--max-steps", "4", "--resume", "latest",
+                   "--data", "builtin")
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("train_clm")]
+    assert r.returncode == 2 and len(lines) == 1 and "was trained on other data (token store key" in lines[0], r.stderr
     assert sorted(p.name for p in one_process_run.rglob("*")) == before
 
 
@@ -314,21 +325,29 @@ def launch(config: str, out: Path, *args, env=None, check=True, fault=None, proc
     return rc, text
 
 
-def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2) -> float:
+def eval_loss_of_saved(model_dir: Path, seq_len=64, blocks=8, micro=2, data="builtin", overflow=None) -> float:
+    """The recipe's evaluation redone on the saved model: the first `blocks` held-out rows of the run's token store
+    (the same key: built-in data, seq_len), as packed micro batches, the sum over their trained tokens / their count."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.models.corpus import load_text, packed_blocks
-    from hfscale.models import TINY, load_tokenizer
+    from hfscale.data import PackedDataset
+    from hfscale.data.dataset import MicroBatches
+    from hfscale.models.loss import lm_loss, trained_tokens
+    from hfscale.data.recipe import check_data, ready_store
+    from hfscale.data.store import DataOptions
+    from hfscale.util.cache import cache_root
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    val = packed_blocks(load_tokenizer(TINY), load_text()["validation"]["text"], seq_len)[:blocks]
+    opts = DataOptions(seq_len, overflow=overflow)
+    store = ready_store(check_data(data, "tiny-gemma3", opts, cache_root()), 0, 1)  # the run's: reused
+    batches = MicroBatches(PackedDataset(store.path, "validation", limit=blocks), micro)
     with torch.no_grad():
-        losses = [model(input_ids=val[i : i + micro], labels=val[i : i + micro]).loss.item() for i in range(0, blocks, micro)]
-    return sum(losses) / len(losses)
+        summed = sum(float(lm_loss(model, b, 1)) for b in batches)  # documents apart (use_cache off), summed
+    return summed / sum(int(trained_tokens(b["labels"])) for b in batches)
 
 
-def assert_trained_saved_reloads(out: Path, log: str, distributed: str, steps: int, keep: int, every: int):
+def assert_trained_saved_reloads(out: Path, log: str, distributed: str, steps: int, keep: int, every: int, data=None):
     """What every 2-rank run of the recipe shows (asserted on the reference runs of the elastic tests below, so no
     launch of its own): the batch line, every step logged, the loss falls, `keep_last` complete checkpoints and
     nothing partial, and a consolidated save (ZeRO-3: gathered from both ranks) that reloads to the live model's
@@ -348,7 +367,7 @@ def assert_trained_saved_reloads(out: Path, log: str, distributed: str, steps: i
     final = read_records(out / "metrics.jsonl", "eval")[steps]
     # live model (bf16 under DeepSpeed, autocast under DDP, ranks' shares) vs reloaded: measured
     # |delta| <= 5e-5; 1e-3 still catches a wrong or partial save (those move the loss by > 0.1)
-    assert abs(eval_loss_of_saved(out / "model") - final["loss"]) < 1e-3
+    assert abs(eval_loss_of_saved(out / "model", **(data or {})) - final["loss"]) < 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -462,7 +481,7 @@ def test_fsdp2_trains_survives_kill_9_and_resumes_on_2_and_on_1_rank(tmp_path):
 
 
 def test_hub_dataset_name_offline_is_one_clear_error(monkeypatch):
-    from hfscale.models.corpus import load_text
+    from hfscale.data.corpus import load_text
     from hfscale.util.errors import HfscaleError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -475,7 +494,7 @@ def test_malformed_data_file_one_line(tmp_path):
     bad.write_text('{"text": broken\n')
     r = run_recipe("--config", TINY_YAML, "--output-dir", tmp_path / "run", *FAST, "--data", bad)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "cannot read" in r.stderr and "as json" in r.stderr
+    assert f"{bad}:1: not valid JSON" in r.stderr  # the file and line (hfscale.data.sources)
     assert not (tmp_path / "run").exists()
 
 
@@ -620,17 +639,26 @@ def test_zero3_2_to_1_to_2_ranks(tmp_path):
     assert_export_matches_zero_to_fp32(ck / f"step_{stopped:08d}", tmp_path / "export1")
 
 
+CHAT = ["--data", "builtin-chat", "--overflow", "split"]
+
+
 @pytest.mark.engine
 def test_ddp_2_to_1_rank(tmp_path):
-    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same sequences per step. The 2-rank
-    reference also shows the recipe trains, saves and reloads under DDP (MULTI_CPU)."""
+    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same rows per step. On the built-in chat
+    set, so this is also the packed chat run resumed 2 -> 1 that reads exactly the uninterrupted run's rows, and the
+    2-rank reference shows the recipe trains chat data, saves and reloads under DDP (MULTI_CPU)."""
     ref = tmp_path / "ref"
-    _, log = launch("ddp.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "2", fault=f"record@{tmp_path}")
-    assert_trained_saved_reloads(ref, log, "MULTI_CPU", steps=6, keep=2, every=2)  # step 2's checkpoint removed
+    _, log = launch("ddp.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "2", *CHAT, fault=f"record@{tmp_path}")
+    # the built-in chat set: rendered by the template, assistant turns trained, bfd-packed rows (issue 36)
+    assert "format messages, train_on assistant, packing bfd, overflow split, seq_len 64" in log
+    assert re.search(r"train: 1,597 examples, [\d,]+ tokens, [\d,]+ trained \(\d+\.\d%\), truncated 0 / dropped \d+ / "
+                     r"split \d+", log)
+    assert_trained_saved_reloads(ref, log, "MULTI_CPU", steps=6, keep=2, every=2,  # step 2's checkpoint removed
+                                 data={"data": "builtin-chat", "overflow": "split"})
     (tmp_path / "indices.jsonl").rename(tmp_path / "ref_indices.jsonl")
     out = tmp_path / "run"
     shutil.copytree(ref / "checkpoints" / "step_00000004", out / "checkpoints" / "step_00000004")
-    _, log = launch("ddp.yaml", out, "--max-steps", "6", "--save-every", "2", "--resume", "latest", procs=1,
+    _, log = launch("ddp.yaml", out, "--max-steps", "6", "--save-every", "2", "--resume", "latest", *CHAT, procs=1,
                     fault=f"record@{tmp_path}")
     assert "at step 4 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
     assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), (5, 6))

@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from hfscale.models.corpus import load_text, packed_blocks
+from hfscale.data.corpus import load_text, packed_blocks
 from hfscale.models import TINY, build_model, load_tokenizer
 from hfscale.scale.runtime import exit_rank, make_accelerator, make_optimizer
-from hfscale.train.batching import BatchPlan, rank_indices
+from hfscale.data.sampler import BatchPlan, rank_indices
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)

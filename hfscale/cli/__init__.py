@@ -9,7 +9,7 @@ import sys
 from ..util.errors import HfscaleError
 
 SUBCOMMANDS = ("config", "prove", "doctor", "plan", "profile", "quantize", "eval", "slurm", "tiny", "demo", "experts", "prune", "bench",
-               "checkpoint")
+               "checkpoint", "data")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         return 2
     except HfscaleError as e:
         print(f"hfscale {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "status", 2)  # 74: a disk that filled while writing (hfscale.data.store)
     except KeyboardInterrupt:
         print("hfscale: interrupted", file=sys.stderr)
         return 130

@@ -30,14 +30,14 @@ class EvalData:
 
 
 def heldout_blocks(tokenizer, ed: EvalData):
-    from ..models.corpus import load_text, packed_blocks
+    from ..data.corpus import load_text, packed_blocks
 
     return packed_blocks(tokenizer, load_text(ed.data, ed.validation)["validation"]["text"], ed.seq_len)[: ed.n_blocks]
 
 
 def calibration_blocks(tokenizer, n: int = 32, seq_len: int = 128, data: str = "builtin"):
     """Calibration batches come from the *train* split, so the held-out score stays untouched."""
-    from ..models.corpus import load_text, packed_blocks
+    from ..data.corpus import load_text, packed_blocks
 
     return packed_blocks(tokenizer, load_text(data)["train"]["text"], seq_len)[:n]
 

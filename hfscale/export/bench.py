@@ -149,7 +149,7 @@ def tokenizer_source(path: str, kind: str) -> str:
 
 def prompt_ids(path: str, kind: str, n: int) -> list[int]:
     """n token ids of held-out text under the artifact's tokenizer (bos first)."""
-    from ..models.corpus import load_text
+    from ..data.corpus import load_text
     from ..models.builtin import load_tokenizer
 
     tok = load_tokenizer(tokenizer_source(path, kind))

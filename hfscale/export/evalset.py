@@ -23,7 +23,7 @@ class EvalSet:
 
 
 def prompt_texts(es: EvalSet) -> list[str]:
-    from ..models.corpus import load_text
+    from ..data.corpus import load_text
 
     val = load_text()["validation"]["text"]
     return [t for t in val if len(t) > 200][: es.n_prompts]

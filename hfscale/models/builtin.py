@@ -127,6 +127,14 @@ def load_tokenizer(name_or_path: str):
         raise HfscaleError(_not_found(name_or_path, e)) from None
 
 
+def builtin_chat_template() -> str:
+    """The built-in tokenizer's chat template, Gemma's turn format (<start_of_turn>role ... <end_of_turn>) in plain
+    text: the tiny vocabulary has no ids for the markers, so each is a few ordinary tokens. Kept beside the
+    tokenizer, not in it, so text-only uses of the tokenizer (export eval sets) are unchanged; the data layer
+    gives it to the built-in tokenizer for conversational data (hfscale.data.formats)."""
+    return (Path(str(resources.files("hfscale.models") / "data")) / "chat_template.jinja").read_text()
+
+
 def build_model(name_or_path: str, seed: int = 0, dtype=None):
     """A causal LM: random (seeded) for a built-in name, pretrained weights (safetensors) otherwise."""
     import torch

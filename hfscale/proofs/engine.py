@@ -168,7 +168,7 @@ def run(args) -> dict:
     from torch.utils.data import DataLoader, TensorDataset
 
     from ..scale.checkpointing import apply_checkpointing_
-    from ..models.corpus import load_text, packed_blocks
+    from ..data.corpus import load_text, packed_blocks
     from ..models.builtin import build_model, load_tokenizer
     from ..util.hosts import bf16_support, resolve_precision
     from ..scale.runtime import make_accelerator, make_optimizer, read_launch

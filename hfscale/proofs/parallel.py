@@ -38,7 +38,7 @@ def _parse(argv):
 
 
 def _data(seq_len: int, n: int):
-    from ..models.corpus import load_text, packed_blocks
+    from ..data.corpus import load_text, packed_blocks
     from ..models.builtin import load_tokenizer
 
     blocks = packed_blocks(load_tokenizer("tiny-gemma3"), load_text()["train"]["text"][:600], seq_len)

@@ -39,7 +39,7 @@ def build_tiny_moe(out, config=None, steps: int = 0, seed: int = 0, jitter: bool
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..models.corpus import load_text, packed_blocks
+    from ..data.corpus import load_text, packed_blocks
     from ..models.builtin import TINY, load_tokenizer
 
     cfg = config or tiny_moe_config()

@@ -135,7 +135,7 @@ def val_loss(model_or_dir, seq_len: int = 128, blocks: int = 64) -> float:
     import torch
 
     from ..models.builtin import TINY, build_model, load_tokenizer
-    from ..models.corpus import load_text, packed_blocks
+    from ..data.corpus import load_text, packed_blocks
 
     model = build_model(str(model_or_dir), dtype=torch.float32) if isinstance(model_or_dir, (str, Path)) else model_or_dir
     val = packed_blocks(load_tokenizer(TINY), load_text()["validation"]["text"], seq_len)
@@ -149,7 +149,7 @@ def _train(r: TinyTraining, out: Path, progress: bool) -> dict:
 
     import torch
 
-    from ..models.corpus import load_text, packed_blocks
+    from ..data.corpus import load_text, packed_blocks
     from ..models.builtin import TINY, build_model, load_tokenizer
 
     tok = load_tokenizer(TINY)

@@ -13,8 +13,16 @@ from ..util.errors import ConfigError, HfscaleError, first_line
 @dataclass(frozen=True)
 class TrainConfig:
     model: str = "tiny-gemma3"  # built-in name, local transformers dir, or hub name (online)
-    data: str = "builtin"  # builtin | .txt / .jsonl / .json / .parquet file
-    validation: str | None = None  # separate held-out file; default: 5% of data (builtin has its own split)
+    # builtin | files, globs, directories (.jsonl / .json / .parquet / .arrow / .txt) | 'a.jsonl:0.7,b/*.parquet:0.3'
+    # (mixture weights) | a store made by `hfscale data prepare`. In a recipe YAML also a mapping:
+    # data: {sources: [{path: a.jsonl, weight: 0.7}, ...], format: messages, train_on: assistant, packing: bfd, ...}
+    data: str = "builtin"
+    validation: str | None = None  # separate held-out file; default: `heldout` of the examples (builtin has its own split)
+    heldout: float = 0.05
+    format: str | None = None  # text | messages | prompt_completion | tokenized; default: detected (hfscale.data.formats)
+    train_on: str | None = None  # all | completion | assistant | last; default: the format's
+    packing: str | None = None  # bfd | wrapped | none; default: wrapped for text, bfd otherwise
+    overflow: str | None = None  # truncate | drop | split; default: split for text, truncate otherwise
     seq_len: int = 128
     global_batch_tokens: int = 8192  # tokens per optimizer step over all ranks
     micro_batch: int = 4  # sequences per rank per forward pass
@@ -78,6 +86,15 @@ class TrainConfig:
         if self.precision not in PRECISION_CHOICES:
             raise ConfigError(f"precision {self.precision!r} not understood; use one of {', '.join(PRECISION_CHOICES)}")
         self.levers.check(self.seq_len, self.checkpointing)
+        self.data_options  # noqa: B018 - validated here, with the rest
+
+    @property
+    def data_options(self):
+        """The options that decide the token store's content (hfscale.data.store.DataOptions)."""
+        from ..data.store import DataOptions
+
+        return DataOptions(self.seq_len, self.format, self.train_on, self.packing, self.overflow, self.validation,
+                           self.heldout)
 
     @property
     def levers(self):
@@ -162,6 +179,8 @@ def load_recipe(path: str | None, overrides: dict | None = None, cls=TrainConfig
         if not isinstance(loaded, dict):
             raise HfscaleError(f"{path} must hold a mapping of recipe settings")
         values.update(loaded)
+    if isinstance(values.get("data"), (dict, list)):
+        values.update(data_section(values["data"], path))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     fields = fields_of(cls)
     for key in values:
@@ -169,6 +188,25 @@ def load_recipe(path: str | None, overrides: dict | None = None, cls=TrainConfig
             near = difflib.get_close_matches(key, fields, n=1)
             raise ConfigError(f"unknown recipe setting {key!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
     return cls(**{k: (_coerce(k, v, fields) if k in fields else v) for k, v in values.items()})
+
+
+DATA_KEYS = ("format", "train_on", "packing", "overflow", "validation", "heldout")
+
+
+def data_section(section, path) -> dict:
+    """A YAML `data:` mapping (or list of sources) -> the flat settings: sources as 'path:weight,...'."""
+    if isinstance(section, list):
+        section = {"sources": section}
+    unknown = set(section) - {"sources", *DATA_KEYS}
+    if unknown or "sources" not in section:
+        raise ConfigError(f"{path}: data: takes sources (a path, or a list of {{path, weight}}) and "
+                          f"{', '.join(DATA_KEYS)} (got {sorted(section)})")
+    from ..data.sources import parse_sources
+
+    sources = parse_sources(section["sources"])
+    out = {k: section[k] for k in DATA_KEYS if k in section}
+    out["data"] = ",".join(f"{s.path}:{s.weight:g}" if s.weight != 1 else s.path for s in sources)
+    return out
 
 
 def parse_recipe_args(argv, doc: str, config_help: str, cls=TrainConfig) -> tuple[str | None, dict, bool]:

@@ -17,6 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# the one next-token loss (full blocks' mean, or a packed batch's trained-token sum / the step's count), re-exported
+# as train_steps' default loss_fn and for the recipes (no torch at import)
+from ..models.loss import lm_loss
+
 
 def lr_at(step: int, cfg) -> float:
     """Linear warm-up over warmup_steps, then cosine from lr down to lr x min_lr_ratio at max_steps."""
@@ -30,8 +34,8 @@ def lr_at(step: int, cfg) -> float:
 class Preflight:
     """Everything checked before a process group or a model exists, handed to the rest of the recipe."""
     model_config: object
-    plan: object  # batching.BatchPlan
-    data: dict
+    plan: object  # data.sampler.BatchPlan
+    data: object  # data.recipe.RunData: the store this run reads (its key goes into every checkpoint)
     ckpts: object  # state.Checkpoints
     resume: object | None  # state.Resume
     launch: object  # scale.runtime.LaunchView
@@ -55,12 +59,13 @@ def check_run_outputs(cfg) -> None:
 def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     """Every check that can fail on the user's input, before a process group or a model exists.
     `source`: the recipe YAML the settings came from (named in doctor's findings)."""
-    from ..models.corpus import load_text
+    from ..data.recipe import check_data
+    from ..util.cache import cache_root
     from ..util.errors import HfscaleError
     from ..util.hosts import bf16_support, resolve_precision
     from ..models.builtin import load_config
     from ..scale.runtime import read_launch
-    from .batching import plan_batch
+    from ..data.sampler import plan_batch
     from .reshape import check_reshape
     from .state import Checkpoints, model_fingerprint
 
@@ -71,9 +76,14 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     if limit and cfg.seq_len > limit:
         raise HfscaleError(f"seq_len {cfg.seq_len} is longer than {cfg.model} supports ({limit}); use --seq-len {limit} or less")
     plan = plan_batch(cfg.global_batch_tokens, cfg.seq_len, launch.world, cfg.micro_batch)
-    data = load_text(cfg.data, cfg.validation)  # missing or unreadable files fail here
     ckpts = Checkpoints(cfg.output_dir, cfg.keep_last)
+    # a resume of another model is refused first: the data check below loads the model's tokenizer
     resume = ckpts.resolve(cfg.resume, model_fingerprint(model_config), plan.tokens_per_step)
+    data = check_data(cfg.data, cfg.model, cfg.data_options, cache_root())  # missing files, bad options fail here
+    if resume is not None and resume.meta.get("data_key", data.key) != data.key:
+        raise HfscaleError(f"{resume.path} was trained on other data (token store key {resume.meta['data_key']}, this run's "
+                           f"is {data.key}: other files, tokenizer or data options); resume with the run's data, or start "
+                           "a new --output-dir")
     if resume is not None:
         check_reshape(resume.path, resume.meta, launch.world, launch.deepspeed)
     out = Path(cfg.output_dir)
@@ -157,52 +167,48 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
     return accelerator
 
 
-def load_blocks(cfg, tokenizer, data):
-    """Train and held-out blocks: tokenised, packed to seq_len, bos ... eos per document."""
-    from ..models.corpus import packed_blocks
+def load_blocks(cfg, tokenizer, data=None):
+    """Train and held-out blocks of token ids (bos ... eos per document, wrapped to seq_len): the text path of the
+    QAT and distillation recipes. train_clm reads a token store's rows (hfscale.data)."""
+    from ..data.corpus import load_text, packed_blocks
 
-    train_blocks = packed_blocks(tokenizer, data["train"]["text"], cfg.seq_len)
+    text = load_text(cfg.data, cfg.validation)
+    train_blocks = packed_blocks(tokenizer, text["train"]["text"], cfg.seq_len)
     if cfg.max_train_blocks:
         train_blocks = train_blocks[: cfg.max_train_blocks]
-    return train_blocks, packed_blocks(tokenizer, data["validation"]["text"], cfg.seq_len)[: cfg.eval_blocks]
+    return train_blocks, packed_blocks(tokenizer, text["validation"]["text"], cfg.seq_len)[: cfg.eval_blocks]
 
 
 def evaluate(model, accelerator, val, micro_batch: int) -> float:
     """Mean next-token loss per trained token over the held-out data; every rank scores an equal share.
     `val`: full blocks (a Long[N, S] tensor, every next token trained: rows-weighted, which for blocks of one
-    length is token-weighted) or a list of packed micro batches (hfscale.models.documents; `micro_batch` unused):
-    the sum over their trained tokens / their count, so a batch of short answers weighs what its tokens weigh."""
+    length is token-weighted; `micro_batch` rows a forward) or a sequence of packed micro batches (a list, or
+    hfscale.data.dataset.MicroBatches over a token store's rows; `micro_batch` unused): the sum over their trained
+    tokens / their count, so a batch of short answers weighs what its tokens weigh."""
     import torch
 
-    from ..models.loss import lm_loss as batch_loss, trained_tokens
+    from ..models.loss import trained_tokens
 
     world, rank = accelerator.num_processes, accelerator.process_index
     share = len(val) // world
-    mine = val[rank * share : (rank + 1) * share]
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     model.eval()
     with torch.no_grad():
         if isinstance(val, torch.Tensor):
+            mine = val[rank * share : (rank + 1) * share]
             for i in range(0, share, micro_batch):
                 batch = mine[i : i + micro_batch].to(accelerator.device)
-                loss = model(input_ids=batch, labels=batch).loss
+                loss = lm_loss(model, batch)
                 total += torch.tensor([loss.item() * len(batch), len(batch)], dtype=torch.float64, device=total.device)
         else:
-            for batch in mine:
-                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            for j in range(rank * share, (rank + 1) * share):
+                batch = {k: v.to(accelerator.device) for k, v in val[j].items()}
                 n = trained_tokens(batch["labels"])
                 if n:  # the summed loss: divided by 1
-                    total += torch.stack([batch_loss(model, batch, 1).double(), n.double()]).to(total.device)
+                    total += torch.stack([lm_loss(model, batch, 1).double(), n.double()]).to(total.device)
     model.train()
     total = accelerator.reduce(total, reduction="sum")
     return float(total[0] / total[1].clamp(min=1))
-
-
-def lm_loss(model, batch, denominator=None):
-    """hfscale.models.loss.lm_loss: full blocks' mean, or a packed batch's trained-token sum / `denominator`."""
-    from ..models.loss import lm_loss as loss
-
-    return loss(model, batch, denominator)
 
 
 def resume_from(accelerator, resume, tag: str) -> int:
@@ -318,7 +324,7 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
     from ..plan.profiler import MemoryProfiler
     from .step import backward, deepspeed_engine, optimizer_step
     from ..models.loss import backward_scale
-    from .batching import rank_indices
+    from ..data.sampler import rank_indices
     from .metrics import peak_memory_bytes
     from .preempt import Preempted, StopRequest
     from .state import fault

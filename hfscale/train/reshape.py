@@ -12,7 +12,7 @@ What changes with the rank count, and what hfscale does about it:
   staged, with its own manifest), never inside it, and reused by the next resume at any rank count.
 - ZeRO-Infinity (NVMe offload): DeepSpeed does not load a universal checkpoint into NVMe-offloaded
   optimizer state, so a change of rank count there is refused in one line (resume on the saved count).
-- Data: the order is a pure function of (seed, step) over the *global* batch (hfscale.train.batching), and
+- Data: the order is a pure function of (seed, step) over the *global* batch (hfscale.data.sampler), and
   the global batch in sequences is kept (accumulation is re-derived for the new rank count), so step s
   reads the same sequences at any rank count: none twice, none skipped.
 """

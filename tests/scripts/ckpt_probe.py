@@ -53,7 +53,7 @@ if way == "recipe":
 elif way == "trainer":
     from transformers import Trainer, TrainingArguments
 
-    from hfscale.models.corpus import load_text, packed_blocks
+    from hfscale.data.corpus import load_text, packed_blocks
     from hfscale.models import build_model, load_tokenizer
 
     blocks = packed_blocks(load_tokenizer("tiny-gemma3"), load_text()["train"]["text"][:200], recipe["seq_len"])
@@ -83,7 +83,7 @@ elif way == "trainer":
     Trainer(model=build_model("tiny-gemma3"), args=args, train_dataset=Blocks()).train()
 else:  # a plain accelerate loop, checkpointing the way the plan's recipe.yaml says
     from hfscale.scale.checkpointing import apply_checkpointing_
-    from hfscale.models.corpus import load_text, packed_blocks
+    from hfscale.data.corpus import load_text, packed_blocks
     from hfscale.models import build_model, load_tokenizer
     from hfscale.scale.runtime import make_accelerator, make_optimizer
 

@@ -17,7 +17,7 @@ import runpy
 import signal
 import sys
 
-import hfscale.train.batching as batching
+import hfscale.data.sampler as batching
 from hfscale.train.state import FAULT_HOOKS
 
 spec, recipe, *args = sys.argv[1:]

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainingArguments
 
-from hfscale.models.corpus import load_text, packed_blocks
+from hfscale.data.corpus import load_text, packed_blocks
 from hfscale.models import build_model, load_tokenizer
 from hfscale.scale.presets import PRESETS
 from hfscale.scale.runtime import exit_rank, training_arguments_kwargs

@@ -1,6 +1,6 @@
-"""The embedded corpus and the data pipeline shared by recipes, proofs and evaluation.
+"""The embedded corpus, read as `datasets` splits, and plain token blocks for scoring and proofs.
 
-Text: CPython 3.11's documentation prose (PSF License, see hfscale/data/corpus/LICENSE),
+Text: CPython 3.11's documentation prose (PSF License, see hfscale/models/data/corpus/LICENSE),
 1.57M characters of train and 93K of held-out validation, split by document. Loaded through
 `datasets` like any user's jsonl, so a user's files go through the same code.
 """
@@ -11,12 +11,13 @@ from importlib import resources
 from pathlib import Path
 
 from ..util.errors import HfscaleError, first_line
+from .sources import looks_like_hub_name, offline_refusal
 
 BUILTIN_CORPUS = "builtin"
 
 
 def corpus_files() -> dict[str, str]:
-    root = Path(str(resources.files("hfscale.models") / "data" / "corpus"))
+    root = Path(str(resources.files("hfscale.models") / "data" / "corpus"))  # package data stays in models/
     return {"train": str(root / "train.jsonl.gz"), "validation": str(root / "validation.jsonl.gz")}
 
 
@@ -31,7 +32,7 @@ def load_text(data: str = BUILTIN_CORPUS, validation: str | None = None):
     if data == BUILTIN_CORPUS:
         files = corpus_files()
         return datasets.DatasetDict({k: _read_one(v, "json") for k, v in files.items()})
-    if _looks_like_hub_name(data) and not Path(data).exists():
+    if looks_like_hub_name(data):
         return _load_hub(data)
     train = _read_one(data)
     if validation:
@@ -66,20 +67,11 @@ def _read_one(path: str, builder: str | None = None):
     return ds
 
 
-def _looks_like_hub_name(data: str) -> bool:
-    name = Path(data).name
-    return data.count("/") == 1 and not data.startswith((".", "/")) and "." not in name
-
-
 def _load_hub(name: str):
     """A hub dataset with a "text" column (network needed); validation split or 5% held out."""
-    import os
-
     import datasets
 
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
-        raise HfscaleError(f"{name} looks like a hub dataset but HF_HUB_OFFLINE is set; use a local .txt/.jsonl/.parquet "
-                           "file or 'builtin', or unset HF_HUB_OFFLINE")
+    offline_refusal(name)
     try:
         ds = datasets.load_dataset(name)
     except Exception as e:  # hub errors come in many types; the user needs the first line
@@ -93,18 +85,20 @@ def _load_hub(name: str):
 
 
 def packed_blocks(tokenizer, texts, seq_len: int):
-    """Tokenise documents (bos ... eos each), concatenate, and cut into rows of `seq_len` tokens.
-
-    Returns an int64 tensor [n_blocks, seq_len]; the tail shorter than a block is dropped.
-    """
+    """Documents (bos ... eos each) packed `wrapped` (hfscale.data.packing) into rows of `seq_len` tokens, as an int64
+    tensor [n_rows, seq_len] of token ids only (the last partial row dropped). For callers that score or prove on
+    plain blocks; training reads a store's rows with their labels and document boundaries (hfscale.data.dataset)."""
+    import numpy as np
     import torch
 
-    ids: list[int] = []
-    for doc in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]:
-        ids.append(tokenizer.bos_token_id)
-        ids.extend(doc)
-        ids.append(tokenizer.eos_token_id)
-    n = len(ids) // seq_len
-    if n == 0:
-        raise HfscaleError(f"the data holds {len(ids)} tokens, fewer than one block of {seq_len}; lower --seq-len")
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    from .formats import Tok, _wrap
+    from .packing import pack
+
+    tok = Tok(tokenizer, tokenizer.bos_token_id, tokenizer.eos_token_id, "")  # _wrap reads bos / eos only
+    docs = [_wrap(tok, d) for d in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
+    lens = np.array([len(d) for d in docs], dtype=np.int64)
+    rows = pack(lens, seq_len, "wrapped").rows
+    if rows == 0:
+        raise HfscaleError(f"the data holds {int(lens.sum())} tokens, fewer than one block of {seq_len}; lower --seq-len")
+    flat = np.fromiter((t for d in docs for t in d), dtype=np.int64, count=int(lens.sum()))
+    return torch.from_numpy(flat[: rows * seq_len].copy()).view(rows, seq_len)

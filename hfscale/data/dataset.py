@@ -1,0 +1,140 @@
+"""A token store as a torch Dataset + collator: for the recipes, transformers' Trainer and TRL's SFTTrainer.
+
+    from hfscale.data import PackedDataset, PackedCollator
+    train = PackedDataset("my_store")                          # made by `hfscale data prepare`
+    respect_documents_(model)                                  # hfscale.models.documents: documents kept apart
+    Trainer(model, args, train_dataset=train, data_collator=PackedCollator(train.seq_len))
+
+The batch contract (what every consumer of a packed batch reads; nothing else is in the dict, so
+`model(**batch)` works):
+- `input_ids` Long[B, L];
+- `labels` Long[B, L]: the token id where it is trained, -100 elsewhere: padding, untrained turns, and the
+  first token of every document in a row, so no token is predicted from another document (the model shifts);
+- `position_ids` Long[B, L]: 0, 1, ... restarting at every document; padding after a row's last document is
+  one more run from 0 (a dummy document whose labels are all -100). Documents start exactly where
+  position_ids go back to 0: the attention kernels take their boundaries from there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+IGNORE = -100
+
+
+class PackedDataset:
+    """Row i of a store split: {"input_ids", "labels", "position_ids"} as 1-D int64 tensors (unpadded).
+    A torch map-style dataset (only __len__ / __getitem__), reading the store's memory maps."""
+
+    def __init__(self, store, split: str = "train", expect_key: str | None = None, limit: int = 0):
+        from .store import TokenStore
+
+        self.store = store if not isinstance(store, (str, Path)) else TokenStore(store, split, expect_key)
+        self.seq_len = self.store.seq_len
+        self.n = min(len(self.store), limit) if limit else len(self.store)  # the first `limit` rows only
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        ids, labels, pos = self.store.row(int(i) % len(self))
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "position_ids": torch.from_numpy(pos)}
+
+    def as_iterable(self, seed: int = 0):
+        """A `datasets.IterableDataset` of the rows (for TRL's SFTTrainer, which takes only `datasets` types):
+        streamed from the memory maps, every epoch in the sampler's seeded order (hfscale.data.sampler.epoch_order).
+        Give the trainer max_steps (an iterable has no length) and dataset_kwargs={"skip_prepare_dataset": True}."""
+        import datasets
+
+        def rows(n=len(self), store=self.store):
+            from .sampler import epoch_order
+
+            epoch = 0
+            while True:
+                for i in epoch_order(n, seed, epoch).tolist():
+                    ids, labels, pos = store.row(i)
+                    yield {"input_ids": ids, "labels": labels, "position_ids": pos}
+                epoch += 1
+
+        return datasets.IterableDataset.from_generator(rows)
+
+    def trained_tokens(self, rows) -> int:
+        return int(np.asarray(self.store.row_trained)[np.asarray(rows, dtype=np.int64)].sum())
+
+
+class PackedCollator:
+    """Rows -> the batch contract, padded to `seq_len` (or, with pad_to="longest", the batch's longest row)."""
+
+    def __init__(self, seq_len: int | None = None, pad_id: int = 0, pad_to: str = "max"):
+        if pad_to not in ("max", "longest") or (pad_to == "max" and not seq_len):
+            raise ValueError("pad_to is 'max' (with seq_len) or 'longest'")
+        self.seq_len, self.pad_id, self.pad_to = seq_len, pad_id, pad_to
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+
+        n = max(len(f["input_ids"]) for f in features)
+        L = n if self.pad_to == "longest" else self.seq_len
+        ids = torch.full((len(features), L), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(features), L), IGNORE, dtype=torch.long)
+        pos = torch.arange(L, dtype=torch.long).repeat(len(features), 1)
+        for b, f in enumerate(features):
+            k = len(f["input_ids"])
+            ids[b, :k] = torch.as_tensor(f["input_ids"])
+            labels[b, :k] = torch.as_tensor(f["labels"])
+            pos[b, :k] = torch.as_tensor(f["position_ids"])
+            pos[b, k:] -= k  # the padding: its own run of positions from 0
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def batch_of(dataset: PackedDataset, rows, collator: PackedCollator) -> dict:
+    """The batch of these rows (indices from hfscale.data.sampler)."""
+    return collator([dataset[int(i)] for i in rows])
+
+
+class StepReader:
+    """What a training loop reads at optimizer step `step` (hfscale.train.loop.train_steps' `read_batch` and
+    `step_tokens`): rank `rank`'s packed micro batch `micro` (its rows from hfscale.data.sampler.rank_indices, as
+    the batch contract), and the step's trained-token count over every micro batch and rank, without communication
+    (the store's per-row counts of labels[:, 1:] != -100: what hfscale.models.loss sums over)."""
+
+    def __init__(self, dataset: PackedDataset, plan, seed: int, collator: PackedCollator | None = None):
+        self.dataset, self.plan, self.seed = dataset, plan, seed
+        self.collator = collator or PackedCollator(dataset.seq_len)
+
+    def batch(self, step: int, micro: int, rank: int) -> dict:
+        from .sampler import rank_indices
+
+        return batch_of(self.dataset, rank_indices(self.plan, len(self.dataset), self.seed, step, micro, rank),
+                        self.collator)
+
+    def trained(self, step: int) -> int:
+        from .sampler import step_trained
+
+        # the dataset's rows only (a `limit` reads the first rows of the store)
+        return step_trained(self.plan, self.dataset.store.row_trained[: len(self.dataset)], self.seed, step)
+
+
+class MicroBatches:
+    """A split's rows in order as packed micro batches of `micro_batch` rows (the last may be shorter): a lazy
+    sequence (len, [j]) for hfscale.train.loop.evaluate; a batch is collated only when it is read."""
+
+    def __init__(self, dataset: PackedDataset, micro_batch: int, collator: PackedCollator | None = None):
+        self.dataset, self.micro_batch = dataset, micro_batch
+        self.collator = collator or PackedCollator(dataset.seq_len)
+
+    def __len__(self) -> int:
+        return -(-len(self.dataset) // self.micro_batch)
+
+    def __getitem__(self, j: int) -> dict:
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        lo = j * self.micro_batch
+        return batch_of(self.dataset, range(lo, min(lo + self.micro_batch, len(self.dataset))), self.collator)
