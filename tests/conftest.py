@@ -81,3 +81,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if ENGINE_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate's process-wide singletons (AcceleratorState, GradientState) cleared before and after a test that
+    builds an Accelerator in the suite's own process, as accelerate's own test case does: an in-process HF Trainer
+    leaves its state behind (seen: after tests/test_data.py's Trainer tests, the packed-step update of
+    tests/test_documents.py missed -lr x gradient by 1-3%)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    def reset():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    reset()
+    yield
+    reset()

@@ -285,7 +285,7 @@ def _micro_pair(model):
     return short, {k: v[1:] for k, v in batch.items()}
 
 
-def test_train_steps_packed_step_is_the_gradient_of_sum_over_count(tmp_path):
+def test_train_steps_packed_step_is_the_gradient_of_sum_over_count(tmp_path, fresh_accelerate):
     """hfscale.train.loop.train_steps with read_batch / step_tokens, under a real (1-process) Accelerator with 2
     accumulation steps and SGD: the update is -lr x the gradient of the step's sum / N (accelerate divides each
     backward by 2, backward_scale multiplies by accum x ranks), and the logged loss is the step's sum / N."""
@@ -323,7 +323,7 @@ def test_train_steps_packed_step_is_the_gradient_of_sum_over_count(tmp_path):
     assert abs(rec["loss"] - expected) <= LOSS_RTOL * expected and rec["trained_tokens"] == n == 176
 
 
-def test_evaluate_weighs_packed_batches_by_their_trained_tokens():
+def test_evaluate_weighs_packed_batches_by_their_trained_tokens(fresh_accelerate):
     from accelerate import Accelerator
 
     from hfscale.train.loop import evaluate

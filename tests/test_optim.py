@@ -12,7 +12,7 @@ from hfscale.scale.optim import (ADAMW, DEFAULT_ADAMW, adamw_impl, as_planned, b
 from hfscale.util.errors import ConfigError
 
 
-def test_the_recipes_optimizer_is_the_one_the_plan_traces():
+def test_the_recipes_optimizer_is_the_one_the_plan_traces(fresh_accelerate):
     """Fails if make_optimizer (every recipe, the profile and engine workers) and the plan's default ever differ."""
     from accelerate import Accelerator
 
