@@ -111,12 +111,16 @@ def _preflight(monkeypatch, tmp_path, ds_file, **over):
 
 
 def _llama_dir(tmp_path):
-    """A tiny Llama config dir: fp16 is refused for Gemma (its activations overflow), not for Llama."""
+    """A tiny Llama config dir with the built-in tokenizer (the pre-flight checks the data with the model's own):
+    fp16 is refused for Gemma (its activations overflow), not for Llama."""
     from transformers import LlamaConfig
+
+    from hfscale.models import load_tokenizer
 
     d = tmp_path / "llama"
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=512, max_position_embeddings=256).save_pretrained(d)
+                num_key_value_heads=2, vocab_size=4096, max_position_embeddings=256).save_pretrained(d)
+    load_tokenizer("tiny-gemma3").save_pretrained(d)
     return d
 
 
