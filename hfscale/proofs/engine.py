@@ -227,6 +227,8 @@ def run(args) -> dict:
 
     # --- train ---
     seen: list[int] = []
+    from ..models.loss import lm_loss
+
     losses: list[float] = []
     model.train()
     acc_loss = torch.zeros((), dtype=torch.float64)
@@ -234,7 +236,7 @@ def run(args) -> dict:
     for batch, idx in loader:
         seen.extend(idx.tolist())
         with accelerator.accumulate(model):
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = lm_loss(model, batch)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()

@@ -77,13 +77,15 @@ def fit(model, next_batch, steps: int, lr: float, schedule=None, clip: float | N
     import torch
     from tqdm.auto import tqdm
 
+    from ..models.loss import lm_loss
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
     model.train()
     losses = []
     for step in tqdm(range(steps), desc=desc, disable=not progress):
         batch = next_batch(step)
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = lm_loss(model, batch)
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -134,13 +136,14 @@ def val_loss(model_or_dir, seq_len: int = 128, blocks: int = 64) -> float:
     """Mean loss of the first `blocks` validation blocks of the built-in corpus (the fixture's own score)."""
     import torch
 
-    from ..models.builtin import TINY, build_model, load_tokenizer
     from ..data.corpus import load_text, packed_blocks
+    from ..models.builtin import TINY, build_model, load_tokenizer
+    from ..models.loss import lm_loss
 
     model = build_model(str(model_or_dir), dtype=torch.float32) if isinstance(model_or_dir, (str, Path)) else model_or_dir
     val = packed_blocks(load_tokenizer(TINY), load_text()["validation"]["text"], seq_len)
     with torch.no_grad():
-        vl = [model(input_ids=val[i : i + 16], labels=val[i : i + 16]).loss.item() for i in range(0, min(len(val), blocks), 16)]
+        vl = [lm_loss(model, val[i : i + 16]).item() for i in range(0, min(len(val), blocks), 16)]
     return sum(vl) / len(vl)
 
 
