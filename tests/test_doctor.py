@@ -351,3 +351,42 @@ def test_fsdp2_traps_of_accelerate_before_1_13(monkeypatch):
     assert "fsdp2-sharded-optimizer-resume" not in codes(Setup(accelerate=fsdp2(fsdp_state_dict_type="FULL_STATE_DICT")))
     monkeypatch.setattr(fsdp, "accelerate_version", lambda: (1, 16))  # installed here: resume measured bit-identical
     assert not {"fsdp2-sharded-optimizer-resume", "fsdp2-lora-upcast"} & codes(Setup(accelerate=FSDP2, args=lora))
+
+
+# --- adapter traps (hfscale/doctor/adapters.py) -----------------------------------------------------
+
+
+def _gemma4_multimodal():
+    from transformers import Gemma4Config
+
+    return Gemma4Config(vision_config={})  # a vision tower: Gemma4ClippableLinear under q_proj / k_proj / ...
+
+
+def _tied_gemma():
+    from hfscale.models import load_config
+
+    return load_config("tiny-gemma3")  # tie_word_embeddings: true
+
+
+LORA_GC = {"use_peft": True, "gradient_checkpointing": True}
+
+
+@pytest.mark.parametrize("code, bad, good", [
+    ("adapter-reentrant-frozen", Setup(args={**LORA_GC, "gradient_checkpointing_kwargs": {"use_reentrant": True}}),
+     Setup(args={**LORA_GC, "gradient_checkpointing_kwargs": {"use_reentrant": False}})),
+    ("adapter-reentrant-frozen", Setup(args={"adapter": {"kind": "dora"}, "gradient_checkpointing": True,
+                                             "gradient_checkpointing_kwargs": {"use_reentrant": True}}),
+     Setup(args={"adapter": {"kind": "none"}, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}})),
+    ("adapter-merge-4bit", Setup(args={"use_peft": True, "load_in_4bit": True, "merge_adapter": True}),
+     Setup(args={"use_peft": True, "load_in_4bit": False, "merge_adapter": True})),
+    ("adapter-merge-4bit", Setup(args={"adapter": {"kind": "qlora", "merge": True}}), Setup(args={"adapter": {"kind": "qlora"}})),
+    ("adapter-tied-modules-to-save", Setup(args={"use_peft": True, "lora_modules_to_save": ["embed_tokens"]}, model_config=_tied_gemma()),
+     Setup(args={"use_peft": True, "lora_modules_to_save": ["norm"]}, model_config=_tied_gemma())),
+    ("adapter-gemma4-clippable", Setup(args={"use_peft": True, "lora_target_modules": ["q_proj", "v_proj"]}, model_config=_gemma4_multimodal()),
+     Setup(args={"use_peft": True}, model_config=_gemma4_multimodal())),
+    # the recipe's adapter section makes QLoRA under ZeRO-3 a quantized base too
+    ("qlora-zero3-storage", Setup(deepspeed=ds(), args={"adapter": {"kind": "qlora"}, "bf16": True}),
+     Setup(deepspeed=ds(), args={"adapter": {"kind": "qlora"}, "bf16": True, "bnb_4bit_quant_storage": "bfloat16"})),
+])
+def test_adapter_traps_fire_on_bad_and_not_on_good(code, bad, good):
+    assert code in codes(bad) and code not in codes(good), check_setup(bad)

@@ -11,6 +11,7 @@ from .checks import CHECKS
 from . import parallel as _parallel  # noqa: F401,E402  (registers the N-D parallelism checks)
 from . import fsdp as _fsdp  # noqa: F401,E402  (registers the FSDP2 checks)
 from . import optimizer as _optimizer  # noqa: F401,E402  (registers the AdamW-as-planned check)
+from . import adapters as _adapters  # noqa: F401,E402  (registers the LoRA / DoRA / QLoRA traps)
 from .findings import Finding, render_table
 from .inputs import Setup, load_setup
 

@@ -299,14 +299,19 @@ def zero3_save(s: Setup) -> Iterator[Finding]:
 
 
 def _quantized_4bit(s: Setup) -> bool:
+    from .adapters import adapter_view  # the recipe's `adapter: {kind: qlora}` too
+
     a = s.args or {}
     qc = getattr(s.model_config, "quantization_config", None)
-    return get(a, "load_in_4bit") is True or isinstance(get(a, "quantization_config"), dict) or isinstance(qc, dict)
+    v = adapter_view(s)
+    return (get(a, "load_in_4bit") is True or isinstance(get(a, "quantization_config"), dict) or isinstance(qc, dict)
+            or (v is not None and v.kind == "qlora"))
 
 
 def _uses_adapters(s: Setup) -> bool:
-    a = s.args or {}
-    return any(get(a, k) not in (MISSING, None, False) for k in ("use_peft", "lora_r", "peft", "lora", "qlora"))
+    from .adapters import adapter_view
+
+    return adapter_view(s) is not None
 
 
 @check
@@ -376,6 +381,8 @@ ACC_DS_KEYS = {"deepspeed_config_file", "zero3_init_flag", "deepspeed_hostfile",
 RECIPE_KEYS = {"model", "model_name_or_path", "data", "dataset", "validation", "seq_len", "global_batch_tokens",
                "qat", "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit",
                "load_in_8bit", "bnb_4bit_quant_storage", "bnb_4bit_quant_type", "quantization_config",
+               "adapter", "use_dora", "use_rslora", "lora_modules_to_save", "modules_to_save", "target_modules",
+               "bnb_4bit_use_double_quant", "use_bnb_nested_quant", "merge_adapter",  # TRL ModelConfig / peft names
                "checkpointing", "resume", "keep_last", "eval_every", "save_every", "attn_implementation", "sp_window_sdpa",
                "torch_dtype", "dtype"}  # the dtype the model is loaded in (from_pretrained)
 
