@@ -22,9 +22,6 @@ from __future__ import annotations
 from ..util.errors import ConfigError
 from .schemes import QAT_SCHEMES, QuantSpec, linear_filter, torchao_linear_config, transformers_config
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def as_spec(scheme) -> QuantSpec:
     spec = scheme if isinstance(scheme, QuantSpec) else QuantSpec(str(scheme))
     if spec.scheme not in QAT_SCHEMES:
@@ -77,19 +74,20 @@ def convert_qat_(model, scheme):
 
 
 def add_lora_(model, rank: int, alpha: int | None = None, dropout: float = 0.0):
-    """LoRA adapters on the (fake-quantized) linears; only the adapters train. Returns the PeftModel."""
-    from peft import LoraConfig, get_peft_model
+    """LoRA adapters on the (fake-quantized) decoder linears; only the adapters train. Returns the PeftModel.
+    The one LoRA home is hfscale.scale.adapters: this is AdapterSpec("lora", rank, alpha, dropout) applied."""
+    from ..scale.adapters import AdapterSpec, apply_adapter
 
     if rank < 1:
         raise ConfigError(f"lora rank must be >= 1 (got {rank}); use 0 to train the full model")
-    targets = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_modules()} & set(LORA_TARGETS))
-    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=targets, bias="none")
-    return get_peft_model(model, cfg)
+    return apply_adapter(model, AdapterSpec("lora", rank=rank, alpha=alpha, dropout=dropout))
 
 
 def merge_lora(model):
     """Fold the adapters into the base weights (which the convert step then quantizes)."""
-    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    from ..scale.adapters import merge_live
+
+    return merge_live(model)
 
 
 def distillation_loss(student_logits, teacher_logits, labels, weight: float, temperature: float = 1.0,

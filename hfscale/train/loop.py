@@ -342,8 +342,8 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", disable=not (accelerator.is_main_process and cfg.progress))
     for step in range(start, cfg.max_steps):
         t0, c0 = time.perf_counter(), time.process_time()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+        for group in optimizer.param_groups:  # lr_scale: LoRA+'s B groups (hfscale.scale.adapters)
+            group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
         step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         profiled = prof is not None and step - start < cfg.profile_memory
         phase = (lambda name: prof.phase(name, step - start + 1)) if profiled else (lambda name: contextlib.nullcontext())

@@ -1,0 +1,284 @@
+"""Adapters (LoRA, DoRA, QLoRA through peft): the one home of how hfscale fine-tunes a frozen base.
+
+    from hfscale.scale.adapters import AdapterSpec, apply_adapter, adapter_param_groups
+    spec = AdapterSpec("lora", rank=16, lora_plus_ratio=16)     # or AdapterSpec.from_mapping(yaml["adapter"])
+    model = apply_adapter(model, spec)                          # a peft PeftModel; only the adapters train
+    optimizer = torch.optim.AdamW(adapter_param_groups(model, spec, lr=2e-4))
+    ... train (plain loop, accelerate, Trainer) ...
+    merged = merge_into_base(base_in_its_dtype, adapter_dir)   # never into a 4-bit base
+
+The spec is read by recipes/train_clm.py (`adapter:` in the recipe YAML, `--adapter lora ...`), the QAT recipe
+(hfscale.compress.qat.add_lora_) and the planner / doctor (`spec.rank`, `spec.base_bits`, `spec.targets`).
+
+Targets: by default every decoder linear (q/k/v/o/gate/up/down), named one by one from the model's modules, so Gemma 4's per-layer-embedding projections (per_layer_input_gate,
+per_layer_projection, per_layer_model_projection), its MoE router (router.proj) and the lm_head never get an
+adapter (the adapter_config.json holds one regex of
+the exact names), and the vision / audio towers only with `towers=True`; there Gemma 4's Gemma4ClippableLinear (an
+nn.Module around an nn.Linear, which peft rejects: peft #3129) is adapted through its inner `.linear`, keeping
+the clipping around it. Tied embeddings stay tied (peft's ensure_weight_tying; modules_to_save would untie
+them, peft #1750).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+from ..util.errors import ConfigError
+
+# kind -> (bits of the frozen base, DoRA's magnitude vector on top of LoRA)
+KINDS = {"none": (16, False), "lora": (16, False), "dora": (16, True), "qlora": (4, False)}
+DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# peft's init_lora_weights values offered here: default (A Kaiming-uniform, B zero: the model starts unchanged),
+# gaussian (A normal), pissa / olora (A, B from the base's SVD / QR, the base keeps the residual: the base changes)
+INITS = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
+TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    kind: str = "none"  # none | lora | dora | qlora (LoRA on an NF4 base, bitsandbytes)
+    rank: int = 16
+    # None -> 2 x rank: the scale alpha / r = 2 the QAT recipe's LoRA ran with (benchmarks/compress.py measured
+    # it) and the common Gemma fine-tuning setting; with rslora the scale is alpha / sqrt(r)
+    alpha: float | None = None
+    dropout: float = 0.0  # peft's default; > 0 makes training steps depend on the dropout RNG
+    targets: tuple = DECODER_LINEARS  # leaf module names adapted (decoder only unless towers)
+    towers: bool = False  # also the vision / audio towers' linears (Gemma 4: through Gemma4ClippableLinear.linear)
+    rslora: bool = False  # scale alpha / sqrt(r) (Kalajdzievski 2023): a rank sweep keeps one learning rate
+    lora_plus_ratio: float = 1.0  # LoRA+: B's learning rate = this x A's (paper: 16); 1 = plain LoRA
+    init: str = "default"  # default | gaussian | pissa | olora
+    trainable_tokens: tuple = ()  # embedding rows trained (new tokens; peft trainable_token_indices), tied kept tied
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConfigError(f"adapter {self.kind!r} not understood; use one of {', '.join(KINDS)}")
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        if isinstance(self.targets, str) and "," in self.targets:
+            targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        object.__setattr__(self, "targets", targets)
+        object.__setattr__(self, "trainable_tokens", tuple(int(t) for t in self.trainable_tokens))
+        if self.kind == "none":
+            return
+        if int(self.rank) != self.rank or self.rank < 1:
+            raise ConfigError(f"lora rank must be a whole number >= 1 (got {self.rank}); use --adapter none to train "
+                              "every parameter")
+        alpha = 2 * self.rank if self.alpha is None else self.alpha
+        if not alpha > 0:
+            raise ConfigError(f"lora alpha must be > 0 (got {alpha}); leave it unset for 2 x rank = {2 * self.rank}")
+        object.__setattr__(self, "alpha", float(alpha))
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora dropout must be in [0, 1) (got {self.dropout}); 0.05 is common, 0 is peft's default")
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ConfigError(f"lora targets must be module names (got {self.targets!r}); the default is "
+                              f"{','.join(DECODER_LINEARS)}")
+        if not self.lora_plus_ratio >= 1.0:
+            raise ConfigError(f"lora_plus_ratio must be >= 1 (got {self.lora_plus_ratio}): B's learning rate over A's "
+                              "(1 = plain LoRA, 16 = the LoRA+ paper's)")
+        if self.init not in INITS:
+            raise ConfigError(f"adapter init {self.init!r} not understood; use one of {', '.join(INITS)}")
+        if self.kind == "qlora" and self.init in ("pissa", "olora"):
+            raise ConfigError(f"init {self.init} rewrites the base weights from their SVD/QR, which a 4-bit base "
+                              "cannot hold exactly; use --adapter lora with init pissa, or init default with qlora")
+        if any(t < 0 for t in self.trainable_tokens):
+            raise ConfigError(f"trainable_tokens must be token ids >= 0 (got {list(self.trainable_tokens)})")
+
+    # --- what other modules read ---
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def base_bits(self) -> int:
+        """Bits per weight of the frozen base: 4 (NF4) for QLoRA, else 16 (the planner's --base-bits)."""
+        return KINDS[self.kind][0]
+
+    @property
+    def dora(self) -> bool:
+        return KINDS[self.kind][1]
+
+    @property
+    def changes_base(self) -> bool:
+        """PiSSA / OLoRA move the principal part of each target's weight into the adapter: the base changes."""
+        return self.init in ("pissa", "olora")
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "full fine-tuning"
+        extras = [f"alpha {self.alpha:g}"] + (["rsLoRA"] if self.rslora else []) + (
+            [f"LoRA+ x{self.lora_plus_ratio:g}"] if self.lora_plus_ratio != 1 else []) + (
+            [f"init {self.init}"] if self.init != "default" else []) + (
+            [f"{len(self.trainable_tokens)} trainable tokens"] if self.trainable_tokens else [])
+        return f"{self.kind.upper() if self.kind != 'qlora' else 'QLoRA'} r{self.rank} ({', '.join(extras)})"
+
+    def to_dict(self) -> dict:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+    @classmethod
+    def from_mapping(cls, section, where: str = "adapter") -> AdapterSpec:
+        """The recipe YAML's `adapter:` section (a mapping, or just the kind): unknown keys refused by name."""
+        import difflib
+
+        if section is None:
+            return cls()
+        if isinstance(section, str):
+            return cls(kind=section)
+        if not isinstance(section, dict):
+            raise ConfigError(f"{where}: must be a kind ({', '.join(KINDS)}) or a mapping of adapter settings")
+        names = [f.name for f in fields(cls)]
+        for key in section:
+            if key not in names:
+                near = difflib.get_close_matches(str(key), names, n=1)
+                raise ConfigError(f"{where}: unknown setting {key!r}" + (f"; did you mean {near[0]!r}?" if near else
+                                                                          f"; use {', '.join(names)}"))
+        return cls(**section)
+
+
+# --- applying ---------------------------------------------------------------------------------------
+
+def target_modules(model, spec: AdapterSpec) -> list[str]:
+    """The full names of the modules the adapter goes on: nn.Linear (bitsandbytes' Linear4bit is one) whose last
+    name is in spec.targets, outside the towers unless spec.towers; a Gemma4ClippableLinear through its `.linear`.
+    Refuses (one line naming the model's linear names) when nothing matches."""
+    import torch.nn as nn
+
+    wanted, found, leaves = set(spec.targets), [], set()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not spec.towers and any(t in name.split(".") for t in TOWERS):
+            continue
+        if isinstance(module, nn.Linear):
+            leaves.add(leaf)
+        if leaf not in wanted:
+            continue
+        if isinstance(module, nn.Linear):
+            found.append(name)
+        elif isinstance(getattr(module, "linear", None), nn.Linear):  # Gemma4ClippableLinear: clamp, linear, clamp
+            found.append(f"{name}.linear")
+    if not found:
+        raise ConfigError(f"no linear named {', '.join(spec.targets)} in the model; set adapter targets to some of "
+                          f"{', '.join(sorted(leaves)) or '(none)'}")
+    return found
+
+
+def lora_config(model, spec: AdapterSpec):
+    """peft's LoraConfig for this spec and model (targets resolved to full module names)."""
+    from peft import LoraConfig
+
+    kw = {}
+    if spec.trainable_tokens:  # tied: the lm_head's rows are the embedding's (else it keeps its own copy)
+        kw["trainable_token_indices"] = list(spec.trainable_tokens)
+        kw["ensure_weight_tying"] = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    # one regex of the exact names: peft matches a list's entries as suffixes, so "q_proj" would also take a tower's
+    # "vision_tower.q_proj" (a Gemma4ClippableLinear peft rejects); a str target is re.fullmatch'ed
+    exact = "|".join(re.escape(n) for n in target_modules(model, spec))
+    return LoraConfig(r=int(spec.rank), lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                      target_modules=f"(?:{exact})", bias="none", use_rslora=spec.rslora,
+                      use_dora=spec.dora, init_lora_weights=INITS[spec.init], **kw)
+
+
+def apply_adapter(model, spec: AdapterSpec):
+    """The model with the spec's adapters (a peft PeftModel; base frozen, only adapter parameters train).
+    A QLoRA spec expects its base already in 4 bits (load_quantized_base). Full fine-tuning returns `model`."""
+    if not spec.enabled:
+        return model
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(model, spec))
+
+
+def adapter_param_groups(model, spec: AdapterSpec, lr: float, weight_decay: float = 0.0) -> list[dict]:
+    """Optimizer parameter groups of the trainable parameters: LoRA+ gives every lora_B (and DoRA's magnitude
+    stays with A) `lr x spec.lora_plus_ratio`; one group when the ratio is 1. Each group holds an `lr_scale`
+    that a schedule setting `group["lr"]` multiplies in (hfscale.train.loop.lr_at does)."""
+    a, b = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (b if ".lora_B." in name and spec.lora_plus_ratio != 1 else a).append(p)
+    groups = [{"params": a, "lr": lr, "weight_decay": weight_decay, "lr_scale": 1.0}]
+    if b:
+        groups.append({"params": b, "lr": lr * spec.lora_plus_ratio, "weight_decay": weight_decay,
+                       "lr_scale": spec.lora_plus_ratio})
+    return [g for g in groups if g["params"]]
+
+
+def adapter_names(model) -> list[str]:
+    """Names of the parameters the adapter trains (peft's naming, `base_model.model.` prefix included)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+# --- QLoRA's base ------------------------------------------------------------------------------------
+
+def bnb_config(compute_dtype, storage_dtype):
+    """transformers' BitsAndBytesConfig for an NF4 base (double quantization of the scales, as QLoRA's paper).
+    `storage_dtype`: the dtype the packed 4-bit bytes are stored as. ZeRO-3 and FSDP2 shard parameters of one
+    dtype, so there it is the model's dtype (peft's docs: bnb_4bit_quant_storage = the compute dtype; uint8 on
+    FSDP2 trains to loss 0 / NaN, accelerate #3983); DDP keeps uint8."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage_dtype)
+
+
+def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: int = 0, scratch=None):
+    """The causal LM with NF4 decoder linears (bitsandbytes; embeddings, norms and lm_head stay in compute_dtype).
+    A built-in name is written once (seeded, the same weights build_model gives) to `scratch` and loaded from there:
+    transformers quantizes on from_pretrained only."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from ..models.builtin import is_builtin, save_pretrained_dir
+
+    path = name_or_path
+    if is_builtin(name_or_path):
+        tmp = Path(scratch or tempfile.mkdtemp(prefix="hfscale-qlora-base-"))
+        if not (tmp / "config.json").is_file():
+            save_pretrained_dir(name_or_path, tmp, seed=seed)
+        path = str(tmp)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(compute_dtype, storage_dtype),
+                                                 dtype=compute_dtype, device_map="cpu" if _on_cpu() else None,
+                                                 use_safetensors=True, trust_remote_code=False)
+    model.config.name_or_path = name_or_path
+    return model
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def nf4_bytes(model) -> int:
+    """Bytes the 4-bit weights of `model` hold (packed weights + their absmax / double-quant state)."""
+    total = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        qs = getattr(w, "quant_state", None)
+        if qs is None:
+            continue
+        total += w.numel() * w.element_size()
+        for t in (qs.absmax, getattr(getattr(qs, "state2", None), "absmax", None), getattr(qs, "offset", None)):
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# --- after training ----------------------------------------------------------------------------------
+
+def merge_into_base(base, adapter_dir):
+    """`base` (an unquantized model in its own dtype: merging into 4-bit weights rounds the sum to NF4 and loses
+    the adapter's update, transformers #31293) with the adapter saved in `adapter_dir` folded into its weights:
+    a plain transformers model (no peft modules) that PTQ, GGUF, .pte, prune and eval take unchanged."""
+    from peft import PeftModel
+
+    if getattr(getattr(base, "config", None), "quantization_config", None) is not None:
+        raise ConfigError("merge the adapter into the unquantized base: reload the base in its own dtype "
+                          "(hfscale.models.build_model), never the 4-bit one")
+    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+
+
+def merge_live(model):
+    """Fold the live adapters into the (unquantized) base they sit on and drop the peft wrapper."""
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
