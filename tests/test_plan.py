@@ -149,17 +149,22 @@ def test_gemma4_kv_cache_matches_transformers_cache():
     assert sum(not ld.kv_shared for ld in e2b.per_layer) == 15  # 20 of 35 layers read earlier layers' K/V
 
 
-def test_gemma4_lora_adapter_count_matches_peft():
-    from peft import LoraConfig, get_peft_model
+def test_gemma4_adapter_count_matches_the_recipes_adapter():
+    # the recipe's targets (hfscale.scale.adapters): q/k/v/o/gate/up/down, never the per-layer-embedding projections
+    # or the router, which peft's all-linear would adapt; DoRA adds one magnitude per output feature
     from transformers import AutoModelForCausalLM
 
     from hfscale.plan.memory import lora_params
+    from hfscale.scale.adapters import AdapterSpec, apply_adapter
 
     for cfg in (_gemma4_config("e"), _gemma4_config("moe")):
-        m = AutoModelForCausalLM.from_config(cfg)
         d = dims_from_config(cfg)
-        pm = get_peft_model(m, LoraConfig(r=4, target_modules="all-linear"))
-        assert lora_params(d, 4) == sum(p.numel() for p in pm.parameters() if p.requires_grad)
+        for kind in ("lora", "dora"):
+            spec = AdapterSpec(kind, rank=4)
+            pm = apply_adapter(AutoModelForCausalLM.from_config(cfg), spec)
+            trained = [n for n, p in pm.named_parameters() if p.requires_grad]
+            assert lora_params(d, spec) == sum(p.numel() for p in pm.parameters() if p.requires_grad)
+            assert not any(k in n for n in trained for k in ("per_layer", "router"))
 
 
 def test_gemma4_is_the_only_new_family_and_others_still_refused():
@@ -312,7 +317,7 @@ def test_lora_adapter_count_matches_peft_and_shrinks_states():
 
     m = build_model("tiny-gemma3")
     d = dims_from_config(m.config)
-    pm = get_peft_model(m, LoraConfig(r=8, target_modules="all-linear"))
+    pm = get_peft_model(m, LoraConfig(r=8, target_modules="all-linear"))  # on Gemma 3 all-linear = the 7 decoder linears
     assert lora_params(d, 8) == sum(p.numel() for p in pm.parameters() if p.requires_grad)
     full = model_state_bytes(d, Strategy(micro_batch=1, seq_len=8))
     lora = model_state_bytes(d, Strategy(micro_batch=1, seq_len=8, lora_rank=8))

@@ -13,6 +13,8 @@ EPILOG = """examples:
   hfscale plan --model path/to/config.json --seq-len 2048 --micro-batch 4 --json
   hfscale plan --model gemma-3-27b --seq-len 131072 --micro-batch 1 --gpus-per-node 8 --gpu-mem 80GB --write long/
   hfscale plan --model gemma-3-27b --seq-len 131072 --micro-batch 1 --zero 3 --sp 8 --checkpointing full
+  hfscale plan --model gemma-3-12b --seq-len 2048 --micro-batch 1 --adapter qlora --lora-rank 16
+  hfscale plan --model gemma-3-4b --seq-len 2048 --micro-batch 1 --checkpointing full --compare-adapters
 
 exit codes: 0 prediction (or a fitting pick), 1 nothing fits (says by how much), 2 invalid input (one line)
 """
@@ -23,6 +25,7 @@ def add_parser(sub):
 
     from ..plan.memory import OPTIMIZER_STATE_BYTES, QUANT_BYTES_PER_PARAM
     from ..scale.optim import ADAMW, DEFAULT_ADAMW
+    from ..scale.adapters import KINDS as ADAPTER_KINDS
     from ..scale.spec import DEVICES, ZERO_STAGES
 
     p = sub.add_parser("plan", help="predict training memory and pick the cheapest strategy that fits",
@@ -50,8 +53,14 @@ def add_parser(sub):
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa/flash (default) or eager")
     p.add_argument("--packing", action="store_true", help="rows packed with several documents each (hfscale data "
                    "--packing): counts the block-diagonal attention mask sdpa / eager get (flash varlen builds none)")
-    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (peft, all decoder linears); 0 = full fine-tuning")
-    p.add_argument("--base-bits", type=int, default=16, choices=[16, 4], help="4 = QLoRA (NF4 base)")
+    p.add_argument("--adapter", default="none", choices=list(ADAPTER_KINDS),
+                   help="train an adapter on a frozen base, as the recipe's adapter section does (peft on every decoder "
+                   "q/k/v/o/gate/up/down; qlora: NF4 base through bitsandbytes); none = full fine-tuning")
+    p.add_argument("--lora-rank", type=int, default=0, help="adapter rank (default 16 with --adapter); alone it means "
+                   "--adapter lora; 0 = full fine-tuning")
+    p.add_argument("--base-bits", type=int, default=16, choices=[16, 4], help="4 = QLoRA (NF4 base), as --adapter qlora")
+    p.add_argument("--compare-adapters", action="store_true", help="predict full fine-tuning, LoRA, DoRA and QLoRA "
+                   "side by side for this model and strategy (rank --lora-rank or 16)")
     p.add_argument("--inference", action="store_true", help="also predict serving memory: weights at --quant + KV cache")
     p.add_argument("--quant", choices=list(QUANT_BYTES_PER_PARAM), help="inference weights (default: bf16)")
     p.add_argument("--batch", type=int, help="inference batch (default: 1)")
@@ -113,6 +122,8 @@ def run(args) -> int:
     if args.gpus_per_node is not None:
         hw = Hardware(args.gpus_per_node, 1 if args.nodes is None else args.nodes,
                       parse_size(args.gpu_mem or "80GB"), parse_size(args.cpu_mem or "512GB"))
+    if args.compare_adapters:
+        return _compare(args, hw)
     if (args.write or args.plot) and hw is None:
         raise HfscaleError("--write and --plot rank strategies: give the hardware (--gpus-per-node, --gpu-mem)")
     check_writable({args.write: "--write", args.plot: "--plot"}, args.force, inputs={args.model: "--model"})
@@ -138,7 +149,7 @@ def run(args) -> int:
                   method="trace" if args.trace else "fast" if args.fast else "auto", kernels=args.kernels,
                   serving=serving, engine=args.engine, adamw=args.adamw,
                   engines=None if args.engines is None else [e.strip() for e in args.engines.split(",") if e.strip()],
-                  progress=not args.json, packing=args.packing)
+                  progress=not args.json, packing=args.packing, adapter=args.adapter)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -160,6 +171,34 @@ def run(args) -> int:
             if not args.json:
                 print(f"wrote {f}")
     return 1 if hw is not None and result.pick is None else 0
+
+
+def _compare(args, hw) -> int:
+    """--compare-adapters: one library call, its rows printed."""
+    from ..util.errors import HfscaleError
+    from ..plan.adapters import compare_adapters
+
+    if args.write or args.plot or args.inference or args.adapter != "none" or args.base_bits != 16:
+        raise HfscaleError("--compare-adapters plans every adapter kind itself; drop --adapter / --base-bits / --write "
+                           "/ --plot / --inference")
+    rows = compare_adapters(args.model, args.seq_len, args.micro_batch, rank=args.lora_rank or 16, hardware=hw,
+                            checkpointing=args.checkpointing, zero=args.zero, offload=args.offload, dp=args.dp,
+                            precision=args.precision, optimizer=args.optimizer, attention=args.attention, sp=args.sp,
+                            method="trace" if args.trace else "fast" if args.fast else "auto", kernels=args.kernels,
+                            engine=args.engine, adamw=args.adamw, packing=args.packing)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows]))
+        return 0
+    full = rows[0].peak
+    print(f"{args.model}: seq {args.seq_len}, micro batch {args.micro_batch}, per-GPU step peak by adapter")
+    print(f"  {'adapter':44} {'trainable':>12} {'peak GB':>8} {'x full':>7}  from")
+    for r in rows:
+        print(f"  {r.label:44} {r.trainable_params:>12,} {_gb(r.peak):>8} {r.peak / full:>7.2f}  "
+              f"{'traced step' if r.source == 'trace' else 'analytic terms'}")
+    notes = {r.note for r in rows if r.note}
+    for n in sorted(notes):
+        print(f"note: {n}")
+    return 0
 
 
 def _lines(r) -> list[str]:

@@ -77,7 +77,7 @@ class Plan:
     def to_dict(self) -> dict:
         """`hfscale plan --json`."""
         out = {"model": self.model, "params": self.prediction.params, "strategy": self.strategy.label,
-               "adamw": self.adamw, "prediction": self.prediction.to_dict()}
+               "adamw": self.adamw, "adapter": self.strategy.adapter_spec.to_dict(), "prediction": self.prediction.to_dict()}
         if self.inference is not None:
             out["inference"] = self.inference
         if self.moe_serving is not None:
@@ -265,6 +265,11 @@ def _parallel(sp, tp, cp, hw: Hardware | None, heads, model: str, seq_len: int):
     return par
 
 
+def _adapter_fields(s: Strategy) -> dict:
+    """The adapter settings every candidate carries (the strategy asked for decides them)."""
+    return {"adapter": s.adapter, "lora_rank": s.lora_rank, "base_bits": s.base_bits}
+
+
 def _no_sp_note(heads, sp_asked, sizes) -> str:
     """Why no sequence-parallel candidate was planned, when the model rules it out."""
     if heads is None or sp_asked is not None or any(sp > 1 for sp, _, _ in sizes):
@@ -282,7 +287,7 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
          tp: int | None = None, cp: int | None = None, hardware: Hardware | None = None,
          global_batch_tokens: int | None = None, method: str = "auto", kernels: str | None = None,
          serving: Serving | None = None, engine: str = "auto", engines=None, adamw: str = DEFAULT_ADAMW,
-         progress: bool = False, packing: bool = False) -> Plan:
+         progress: bool = False, packing: bool = False, adapter: str = "none") -> Plan:
     """Predict per-rank memory of training `model` (a built-in name, config.json, model directory or hub name)
     with the strategy given (`engine`: "auto" = DDP at ZeRO 0, DeepSpeed at 1-3; "fsdp2" = FSDP2, its per-rank
     rules laid over the trace by plan/fsdp.py); with `hardware`, rank every strategy for it (DDP, ZeRO 1-3 and FSDP2,
@@ -291,6 +296,8 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
     implementation the step is traced with (hfscale.scale.optim; fused: what the recipes build and Trainer's default).
     `packing`: rows packed with documents under sdpa / eager: the traced step counts the block-diagonal mask each
     layer type gets (flash varlen builds none: plan that without it).
+    `adapter`: none | lora | dora | qlora (hfscale.scale.adapters.AdapterSpec's kind, rank `lora_rank` or the spec's
+    default): the recipe's adapter planned for the strategy asked and every candidate.
     Raises HfscaleError (one line) for invalid input; see the module docstring for `method` and `kernels`."""
     from .kernels import KERNELS
     from .parallel import parallel_options
@@ -321,7 +328,7 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
     s = Strategy(zero=zero, dp=dp, precision=precision, optimizer=optimizer, offload=offload,
                  checkpointing=checkpointing, micro_batch=micro_batch, seq_len=seq_len, attention=attention,
                  lora_rank=lora_rank, base_bits=base_bits, sp=par.sp, tp=par.tp, cp=par.cp, engine=engine, adamw=adamw,
-                 packing=packing)
+                 packing=packing, adapter=adapter)
     d = shape.dims
     if d is None and (method == "fast" or serving is not None):
         raise HfscaleError(f"{shape.dims_error}; {'--inference' if serving else '--fast'} needs those formulas: drop it "
@@ -356,13 +363,13 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
         period = repeat_period(list(d.layer_types)) if d is not None and d.layer_types else 1
         rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, packing=packing,
                           progress=progress,
-                          period=period, engines=engines)
+                          period=period, engines=engines, adapter=_adapter_fields(s))
         if predict.failed and any(c.prediction.source == "trace" for c in rows):
             # a candidate's step could not be traced: rank them all on the analytic terms (one basis), and say why
             notes.append(f"candidates ranked on the analytic terms: {predict.failed}")
             rows = candidates(hardware, seq_len, tokens, predict, shape.layers, precision, attention, sizes, packing=packing,
                               period=period,
-                              engines=engines)
+                              engines=engines, adapter=_adapter_fields(s))
         if not rows:
             raise HfscaleError(f"no {','.join(engines)} strategy exists for sp/tp/cp {sizes}; add an engine (--engines) "
                                "or drop --sp / --tp / --cp")

@@ -47,9 +47,11 @@ layers without k/v, k_eq_v, double-wide MLPs, per-layer inputs, MoE), so its act
 layer from the tensor-by-tensor count in `gemma4_layer_bytes` (same measurement, zero residual on small
 configs of every variant); its final_logit_softcapping adds the T x V tanh output.
 
-LoRA / QLoRA (peft, adapters on every decoder linear): adapters r·(in+out) per linear, trained in fp32
+LoRA / DoRA / QLoRA (peft, the adapter spec's targets: q/k/v/o/gate/up/down of every decoder layer by default, as
+the recipe adapts them): adapters r·(in+out) per targeted linear (+ out for DoRA's magnitude vector), trained in fp32
 (4 B weights + 4 B gradients + optimizer state per adapter parameter); the frozen base costs 2 B/param in
-bf16, or NF4's 0.5 B + its double-quantized block constants for QLoRA (embeddings stay 16-bit).
+bf16, or for QLoRA bitsandbytes' NF4 on every decoder linear (0.5 B + 1/64 B uint8 absmax + 4/16384 B of the
+double-quantized absmax per weight, `nf4_base_bytes`) with embeddings, norms and the lm_head 16-bit.
 Inference weights: bf16 2 B, int8 1 B + per-channel fp16 scales, int4 0.5 B + fp16 scale per group of 32.
 
 KV cache (inference): 2 x layers x kv_heads x head_dim x bytes x batch x tokens, where a sliding-window
@@ -85,8 +87,11 @@ class Strategy:
     micro_batch: int = 1
     seq_len: int = 2048
     attention: str = "sdpa"  # sdpa / flash (fused) | eager (saves the S² probabilities)
-    lora_rank: int = 0  # > 0: LoRA adapters on every decoder linear, base frozen
-    base_bits: int = 16  # 16 (LoRA) or 4 (QLoRA, NF4 base)
+    lora_rank: int = 0  # > 0: adapters of this rank (kind: `adapter`), base frozen
+    base_bits: int = 16  # 16 (LoRA / DoRA) or 4 (QLoRA, NF4 base): follows `adapter`
+    # none | lora | dora | qlora: hfscale.scale.adapters.AdapterSpec's kind (the recipe's adapter section); a bare
+    # lora_rank means lora (qlora with base_bits 4), a kind without a rank the spec's default rank
+    adapter: str = "none"
     sp: int = 1  # sequence parallel (DeepSpeed Ulysses); dp counts replicas, so world = dp x sp x tp x cp
     tp: int = 1  # tensor parallel (transformers tp_plan)
     cp: int = 1  # context parallel (torch, FSDP2)
@@ -109,8 +114,7 @@ class Strategy:
             raise HfscaleError(f"--optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}")
         if self.adamw not in ADAMW:
             raise HfscaleError(f"--adamw must be one of {', '.join(ADAMW)} (got {self.adamw!r})")
-        if self.lora_rank < 0 or self.base_bits not in (16, 4) or (self.base_bits == 4 and not self.lora_rank):
-            raise HfscaleError("--lora-rank must be >= 0 and --base-bits 16 or 4 (4-bit needs --lora-rank, i.e. QLoRA)")
+        self._settle_adapter()
         if self.attention not in ("sdpa", "eager"):
             raise HfscaleError("--attention must be sdpa or eager")
         if self.offload not in ("none", "cpu", "nvme"):
@@ -138,12 +142,41 @@ class Strategy:
             raise HfscaleError("--engine fsdp2 shards parameters, gradients and optimizer by itself: drop --zero, --sp "
                                "(DeepSpeed Ulysses) and --offload nvme (FSDP2 offloads to cpu)")
 
+    def _settle_adapter(self):
+        """adapter / lora_rank / base_bits made one consistent spec (frozen: set once, here)."""
+        from ..scale.adapters import KINDS, AdapterSpec
+
+        if self.adapter not in KINDS:
+            raise HfscaleError(f"--adapter must be one of {', '.join(KINDS)} (got {self.adapter!r})")
+        if self.lora_rank < 0 or self.base_bits not in (16, 4):
+            raise HfscaleError("--lora-rank must be >= 0 and --base-bits 16 or 4")
+        kind = self.adapter
+        if kind == "none" and self.lora_rank:
+            kind = "qlora" if self.base_bits == 4 else "lora"
+        if kind == "none":
+            if self.base_bits == 4:
+                raise HfscaleError("--base-bits 4 is QLoRA: give --adapter qlora (or --lora-rank)")
+            return
+        if self.base_bits == 4 and kind != "qlora":
+            raise HfscaleError(f"--base-bits 4 is QLoRA's NF4 base, and --adapter {kind} keeps a 16-bit one; "
+                               "use --adapter qlora")
+        object.__setattr__(self, "adapter", kind)
+        object.__setattr__(self, "lora_rank", self.lora_rank or AdapterSpec.rank)
+        object.__setattr__(self, "base_bits", KINDS[kind][0])
+
+    @property
+    def adapter_spec(self):
+        """The hfscale.scale.adapters.AdapterSpec planned (kind none: full fine-tuning)."""
+        from ..scale.adapters import AdapterSpec
+
+        return AdapterSpec(self.adapter, rank=self.lora_rank or AdapterSpec.rank)
+
     @property
     def label(self) -> str:
         parts = ["FSDP2" if self.engine == "fsdp2" else "DDP" if self.zero == 0 else f"ZeRO-{self.zero}"]
         parts += [f"{k.upper()}{v}" for k, v in (("sp", self.sp), ("tp", self.tp), ("cp", self.cp)) if v > 1]
         if self.lora_rank:
-            parts.append(f"{'QLoRA' if self.base_bits == 4 else 'LoRA'}-r{self.lora_rank}")
+            parts.append(f"{ {'qlora': 'QLoRA', 'dora': 'DoRA'}.get(self.adapter, 'LoRA')}-r{self.lora_rank}")
         if self.offload != "none":
             parts.append(f"+{self.offload}")
         if self.levers != "none":
@@ -348,27 +381,42 @@ def activation_bytes(d: Dims, B: int, S: int, precision: str = "bf16", checkpoin
             "recompute_working": recompute}
 
 
-def lora_params(d: Dims, r: int) -> int:
-    """r x (in + out) for every decoder nn.Linear (peft target_modules="all-linear", which skips the lm_head):
-    q, k, v, o, gate, up, down of every layer. Gemma 4 per layer: its own head size and K/V heads, no k/v on
-    KV-shared layers, no v with k_eq_v, its MLP width, per-layer-input gate h->p and projection p->h, the MoE
-    router's h->E (experts are 3-D parameters, not Linear: no adapters); once: the PLE projection h->L*p."""
+def decoder_linears(d: Dims) -> list[tuple[str, int, int]]:
+    """(leaf name, in, out) of every nn.Linear in the decoder layers and beside them (not the lm_head). Gemma 4 per
+    layer: its own head size and K/V heads, no k/v on KV-shared layers, no v with k_eq_v, its MLP width, the
+    per-layer-input gate h->p and projection p->h, the MoE router's h->E (experts are 3-D parameters, not Linear);
+    once: the PLE model projection h->L*p."""
+    h = d.hidden
     if not d.per_layer:
-        h, q, kv, I = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim, d.intermediate
-        per_layer = r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + I) + (I + h))
-        return d.layers * per_layer
-    h, p = d.hidden, d.ple_dim
-    n = r * (h + d.layers * p) if p else 0
+        q, kv, I = d.heads * d.head_dim, d.kv_heads * d.head_dim, d.intermediate
+        one = [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
+               ("gate_proj", h, I), ("up_proj", h, I), ("down_proj", I, h)]
+        return one * d.layers
+    p, out = d.ple_dim, []
+    if p:
+        out.append(("per_layer_model_projection", h, d.layers * p))
     for ld in d.per_layer:
         q, kv, I = d.heads * ld.head_dim, ld.kv_heads * ld.head_dim, ld.intermediate
-        n += r * ((h + q) + (q + h) + 2 * (h + I) + (I + h))
+        out += [("q_proj", h, q), ("o_proj", q, h), ("gate_proj", h, I), ("up_proj", h, I), ("down_proj", I, h)]
         if not ld.kv_shared:
-            n += r * (h + kv) * (1 if ld.k_eq_v else 2)
+            out += [("k_proj", h, kv)] + ([] if ld.k_eq_v else [("v_proj", h, kv)])
         if p:
-            n += r * 2 * (h + p)
+            out += [("per_layer_input_gate", h, p), ("per_layer_projection", p, h)]
         if ld.moe:
-            n += r * (h + d.experts)
-    return n
+            out.append(("proj", h, d.experts))  # router.proj
+    return out
+
+
+def lora_params(d: Dims, spec) -> int:
+    """Trainable parameters of an adapter (hfscale.scale.adapters.AdapterSpec, or a bare rank = the default spec's
+    targets) on the decoder: r x (in + out) per targeted linear, + out for DoRA's magnitude vector. The targets are
+    the recipe's (q/k/v/o/gate/up/down by default), so Gemma 4's per-layer-embedding projections and router get none."""
+    from ..scale.adapters import AdapterSpec
+
+    if isinstance(spec, int):
+        spec = AdapterSpec("lora", rank=spec)
+    wanted, r = set(spec.targets), spec.rank
+    return sum(r * (i + o) + (o if spec.dora else 0) for name, i, o in decoder_linears(d) if name in wanted)
 
 
 def expert_params(d: Dims) -> int:
@@ -376,7 +424,30 @@ def expert_params(d: Dims) -> int:
     return sum(3 * d.experts * d.hidden * d.moe_intermediate for ld in d.per_layer if ld.moe)
 
 
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 * 1.0 / 4 + 4 / (64 * 256)  # 4-bit codes + double-quantized block absmax
+# bitsandbytes' NF4 as QLoRA loads it (hfscale.scale.adapters.bnb_config: blocksize 64, double quantization): per
+# weight 4 bits, per block of 64 one uint8 absmax code, per 256 of those blocks one fp32 absmax of the absmax codes,
+# per tensor one fp32 offset (the mean subtracted before the absmax codes are quantized); the two 256-entry fp32 code
+# books per tensor are not counted (2 KB a tensor: 0.01% of a 1B base). Without double quantization the block absmax
+# is fp32: 0.5 + 4 / 64 per weight.
+NF4_BLOCK = 64
+NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * 256)
+
+
+def nf4_tensor_bytes(n: int) -> int:
+    """One weight of n elements in NF4 as bitsandbytes stores it (blocks rounded up, as its kernels allocate them)."""
+    blocks = -(-n // NF4_BLOCK)
+    return (n + 1) // 2 + blocks + 4 * -(-blocks // 256) + 4
+
+
+def nf4_base_bytes(d: Dims, elem_bytes: int = 2) -> dict:
+    """A QLoRA base: every decoder nn.Linear in NF4 (transformers' bitsandbytes quantizer converts all but the
+    lm_head), the rest (embeddings, Gemma 4's per-layer table, norms, MoE experts, an untied lm_head) in the
+    compute dtype. {"nf4": the 4-bit weights with their quant state, "other": the rest, "total"}."""
+    shapes = decoder_linears(d)
+    linear = sum(i * o for _, i, o in shapes)
+    nf4 = sum(nf4_tensor_bytes(i * o) for _, i, o in shapes)
+    other = elem_bytes * (d.params - linear)
+    return {"nf4": nf4, "other": other, "total": nf4 + other, "nf4_params": linear}
 
 
 def shard(weights: int, grads: int, optim: int, zero: int, n: int) -> tuple[int, int, int]:
@@ -386,10 +457,9 @@ def shard(weights: int, grads: int, optim: int, zero: int, n: int) -> tuple[int,
 
 def _lora_states(d: Dims, s: Strategy) -> dict:
     """Frozen base + trainable adapters (peft keeps adapters in fp32, so no separate master copy)."""
-    A, N = lora_params(d, s.lora_rank), s.dp
-    body = d.params - d.embedding_params - (0 if d.tied else d.embedding_params) - d.ple_embedding_params - expert_params(d)
-    if s.base_bits == 4:  # embeddings (Gemma 4's per-layer table too), lm_head and MoE experts stay 16-bit under bitsandbytes
-        base = int(body * NF4_BYTES_PER_PARAM) + 2 * (d.params - body)
+    A, N = lora_params(d, s.adapter_spec), s.dp
+    if s.base_bits == 4:  # decoder linears NF4; embeddings (Gemma 4's per-layer table too), lm_head, experts 16-bit
+        base = nf4_base_bytes(d)["total"]
     else:
         base = (2 if runs_as(s.precision, s.zero) == "bf16" else 4) * d.params
     weights, grads, optim = shard(base + 4 * A, 4 * A, OPTIMIZER_STATE_BYTES[s.optimizer] * A, s.zero, N)

@@ -127,7 +127,7 @@ def scaled_trace(config, **kw) -> StepTrace:
     a, b = (cached_trace(truncated(config, n), **kw, optimizer=False) for n in (L0, L1))
     # the optimizer step depends on the parameters only: one trace serves every sequence, micro batch and mode
     full = cached_trace(config, micro_batch=1, seq_len=1, precision=kw["precision"], lora_rank=kw.get("lora_rank", 0),
-                        optimizer_only=True, **({"adamw": kw["adamw"]} if kw.get("adamw", "fused") != "fused" else {}))
+                        optimizer_only=True, **({"adapter": kw["adapter"]} if "adapter" in kw else {}), **({"adamw": kw["adamw"]} if kw.get("adamw", "fused") != "fused" else {}))
     n = (L - L0) // (L1 - L0)
 
     def ext(x: PhasePeak, y: PhasePeak) -> PhasePeak:
@@ -156,13 +156,14 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
                     checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, zero: int = 0,
                     dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = DEFAULT_ADAMW,
                     rank: int | None = None, kernels: str = "cpu", reshard_after_forward: bool = True,
-                    packing: bool = False) -> dict:
+                    packing: bool = False, adapter: str = "lora") -> dict:
     """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy.
     engine: "ddp" (torch DDP through accelerate), "deepspeed", "fsdp2", or "auto" (ddp at ZeRO-0, else deepspeed).
     adamw: torch AdamW's implementation the run uses (trace.ADAMW; fused is transformers Trainer's default).
     rank: the rank to predict (ZeRO-2's backward differs per rank); None: the highest of all ranks.
     kernels: the attention kernels traced, "cpu" or "cuda" (`kernels.py`).
-    packing: rows packed with documents: the traced step counts the block-diagonal masks (trace.packed_rows)."""
+    packing: rows packed with documents: the traced step counts the block-diagonal masks (trace.packed_rows).
+    adapter: with lora_rank > 0, its kind (lora / dora; hfscale.scale.adapters.AdapterSpec, the recipe's targets)."""
     engine = ("ddp" if zero == 0 else "deepspeed") if engine == "auto" else (
         "deepspeed" if engine.lower() == "deepspeed" else "fsdp2" if engine.lower() in ("fsdp", "fsdp2") else "ddp")
     kw = dict(seq_len=seq_len, precision=trace_precision(precision, zero, engine), attention=attention,
@@ -173,6 +174,8 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
         kw["kernels"] = kernels
     if packing:  # unpacked traces keep their cache keys
         kw["packing"] = True
+    if lora_rank:  # the recipe's targets (not peft's all-linear, as adapter traces were cached before): new keys
+        kw["adapter"] = adapter
     tr = scaled_trace(config, micro_batch=micro_batch, **kw)
     if engine == "deepspeed":
         from .zero import deepspeed_phases
@@ -222,7 +225,8 @@ def untraceable(s) -> str | None:
     if s.optimizer != "adamw":
         return f"the trace runs AdamW; --optimizer {s.optimizer} is predicted from the analytic terms only"
     if s.base_bits == 4:
-        return "QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; analytic terms only"
+        return ("QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; analytic terms only (the NF4 "
+                "base as bitsandbytes stores it: memory.nf4_base_bytes)")
     return None
 
 
@@ -230,5 +234,6 @@ def for_strategy(config, s, grad_accum: int = 1, kernels: str = "cpu") -> dict:
     """`step_prediction` for a planner `Strategy`."""
     return step_prediction(config, s.micro_batch, s.seq_len, s.precision, s.attention, s.checkpointing,
                            s.lora_rank, grad_accum, s.zero, s.dp, s.offload, engine=getattr(s, "engine", "auto"),
-                           adamw=s.adamw, kernels=kernels, packing=getattr(s, "packing", False))
+                           adamw=s.adamw, kernels=kernels, packing=getattr(s, "packing", False),
+                           adapter=s.adapter if s.lora_rank else "lora")
 __all__ = ["cache_dir", "cached_trace", "for_strategy", "step_prediction", "trace_precision", "untraceable"]

@@ -121,7 +121,7 @@ ENGINES = ("ddp", "deepspeed", "fsdp2")  # what the planner ranks (hfscale plan 
 
 def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, layers: int, precision: str = "bf16",
                attention: str = "sdpa", parallel=((1, 1, 1),), progress: bool = False, period: int = 1,
-               engines=ENGINES, packing: bool = False) -> list[Candidate]:
+               engines=ENGINES, packing: bool = False, adapter: dict | None = None) -> list[Candidate]:
     """Every strategy for `hw`, sorted fitting first, then by cost, each predicted by `predict(strategy,
     grad_accum) -> Prediction` (the same model for every row: the ranking and the report agree).
     `parallel`: (sp, tp, cp) sizes to plan (hfscale.plan.parallel.parallel_options), each spanning that many GPUs
@@ -133,14 +133,15 @@ def candidates(hw: Hardware, seq_len: int, global_batch_tokens: int, predict, la
     Rows whose model states alone (weights + gradients + optimizer, exact from the parameter count) exceed the GPU
     cannot fit whatever their activations, and rows costlier than the cheapest fitting one cannot be the pick:
     `predict(strategy, grad_accum, gpu_mem, skip)` may answer those from the analytic terms without a trace (where
-    the model has formulas), and their Prediction says so. Every row at or below the pick's cost is traced."""
+    the model has formulas), and their Prediction says so. Every row at or below the pick's cost is traced.
+    `adapter`: the Strategy's adapter fields (adapter, lora_rank, base_bits) every row carries."""
     from tqdm import tqdm
 
     plain = [p for p in parallel if p == (1, 1, 1)]
     groups = [plain, [p for p in parallel if p != (1, 1, 1)]] if plain else [list(parallel)]
     rows: list[Candidate] = []
     for group in groups:
-        todo = [(replace(s, packing=packing and s.sp == 1), a) for sizes in group
+        todo = [(replace(s, packing=packing and s.sp == 1, **(adapter or {})), a) for sizes in group
                 for s, a in _strategies(hw, seq_len, global_batch_tokens, precision, attention, layers, period, *sizes)
                 if _engine_of(s) in engines]
         if not todo:

@@ -16,7 +16,10 @@ What is traced is what this module runs, per rank without sharding (ZeRO-0 / DDP
                            mixed precision); gradients and AdamW fp32
              bf16-pure     bf16 weights, gradients and AdamW states
   checkpointing off | full | every:K through `hfscale.scale.checkpointing` (non-reentrant, as the recipes run it)
-  attention  sdpa | eager (transformers' attn_implementation); LoRA via peft on every decoder linear
+  attention  sdpa | eager (transformers' attn_implementation)
+  adapter    lora_rank > 0: LoRA or DoRA (`adapter`) through hfscale.scale.adapters.apply_adapter, the recipe's targets
+             (DoRA's magnitude vectors train, and its forward's weight norms are traced); QLoRA's NF4 kernels
+             (bitsandbytes) have no fake implementation: planned from the analytic terms (memory.nf4_base_bytes)
   grad_accum 2+ traces two micro batches per step, so the second forward runs with gradients alive.
   packing    False: each row one sequence (no mask: sdpa's causal path); True: each row packed with documents
              (`packed_rows`, hfscale.models.documents' contract), run as a packed training step runs it
@@ -134,16 +137,18 @@ ASSUMES_CUDA = ("CUDA attention kernels as torch's dispatcher picks them on A100
                 "their fake implementations, not compared with a GPU run; no allocator caching, fragmentation or CUDA context")
 
 
-def _build(config, precision: str, attention: str, lora_rank: int):
+def _build(config, precision: str, attention: str, lora_rank: int, adapter: str = "lora"):
+    """The model as the recipe trains it: with `lora_rank` > 0, the adapter of kind `adapter` (lora / dora) applied
+    by hfscale.scale.adapters.apply_adapter (the recipe's targets: every decoder q/k/v/o/gate/up/down)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if precision in ("bf16", "bf16-pure") else torch.float32
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
     if lora_rank:
-        from peft import LoraConfig, get_peft_model
+        from ..scale.adapters import AdapterSpec, apply_adapter
 
-        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear"))
+        model = apply_adapter(model, AdapterSpec(adapter, rank=lora_rank))
     return model
 
 
@@ -301,8 +306,15 @@ def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=
     return opt, ids, mt
 
 
-def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw=DEFAULT_ADAMW):
+TRACED_ADAPTERS = ("lora", "dora")
+
+
+def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw=DEFAULT_ADAMW, adapter="lora"):
     from ..scale.checkpointing import parse_checkpointing
+
+    if adapter not in TRACED_ADAPTERS:
+        raise HfscaleError(f"adapter {adapter!r} cannot be traced (QLoRA's NF4 kernels have no fake implementation); "
+                           f"trace one of {', '.join(TRACED_ADAPTERS)}")
 
     if precision not in PRECISIONS:
         raise HfscaleError(f"precision {precision!r} cannot be traced; use one of {', '.join(PRECISIONS)}")
@@ -316,7 +328,8 @@ def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing
 
 def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                   checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, steps: int = 2,
-                  adamw: str = DEFAULT_ADAMW, levers=None, packing: bool = False) -> list[dict[str, PhasePeak]]:
+                  adamw: str = DEFAULT_ADAMW, levers=None, packing: bool = False,
+                  adapter: str = "lora") -> list[dict[str, PhasePeak]]:
     """Run `steps` whole training steps for real (random weights) under the same tracker: each step's phase
     peaks, what `trace_step` is checked against. Run it first in a fresh process: a second real run in
     the same process was measured to count one hidden-state tensor fewer (2.25 MiB on the tiny Gemma)."""
@@ -324,10 +337,10 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 
     import torch
 
-    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw)
+    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw, adapter)
     config = copy.deepcopy(config)
     torch.manual_seed(0)
-    model = _build(config, precision, attention, lora_rank)
+    model = _build(config, precision, attention, lora_rank, adapter)
     opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw, levers, packing)
     out = []
     for _ in range(steps):
@@ -340,7 +353,7 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1,
                optimizer_only: bool = False, adamw: str = DEFAULT_ADAMW, kernels: str = "cpu",
-               optimizer: bool = True, levers=None, packing: bool = False) -> StepTrace:
+               optimizer: bool = True, levers=None, packing: bool = False, adapter: str = "lora") -> StepTrace:
     """Trace step 1 of training the model `config` describes on fake tensors, and the steady optimizer step.
     `optimizer_only` skips forward and backward (`micro` is empty): both optimizer steps then run on
     gradients shaped as backward makes them (used to scale a trace to full depth, `peak.py`); `optimizer=False`
@@ -348,6 +361,7 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
     `levers`: hfscale.scale.long_context.Levers whose tiled loss / MLP the traced step runs (the offload
     moves tensors to host memory, which a CPU trace cannot tell apart: hfscale.plan.long_context models it).
     `packing`: rows packed with documents (`packed_rows`): the block-diagonal masks sdpa / eager get are counted.
+    `adapter`: the kind (lora / dora) of the adapter of rank `lora_rank` (0: full fine-tuning).
 
     Forward and backward are traced once: a steady step's differ from step 1's only by the optimizer
     states then alive (gradients are freed after each step). The optimizer step is traced twice (step 1
@@ -358,7 +372,7 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
 
     import copy
 
-    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw)
+    _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing, adamw, adapter)
     if kernels not in KERNELS:
         raise HfscaleError(f"attention kernels {kernels!r} cannot be traced; use one of {', '.join(KERNELS)}")
     config = copy.deepcopy(config)  # building and checkpointing set fields on the config; the caller's stays as given
@@ -366,7 +380,7 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
     t0 = time.perf_counter()
     try:
         with torch.device("meta"):
-            model = _build(config, precision, attention, lora_rank)
+            model = _build(config, precision, attention, lora_rank, adapter)
         with (FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm(),
               contextlib.nullcontext() if packing else _unpacked_rows()):
             opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
