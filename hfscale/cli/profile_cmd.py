@@ -19,6 +19,7 @@ exit codes: 0 written, 2 bad input (one line, nothing written)
 def add_parser(sub):
     import argparse
 
+    from ..scale.adapters import KINDS as ADAPTER_KINDS
     from ..scale.optim import ADAMW, DEFAULT_ADAMW
     from ..util.hosts import PRECISION_CHOICES
 
@@ -39,6 +40,9 @@ def add_parser(sub):
                    help="torch AdamW's implementation (default %(default)s: what the recipes build and the plan assumes)")
     p.add_argument("--precision", default="auto", choices=PRECISION_CHOICES,
                    help="auto (default): the launch's precision, fp32 where this host emulates bf16; launch / bf16 / fp16 / fp32")
+    p.add_argument("--adapter", default="none", choices=list(ADAPTER_KINDS),
+                   help="train an adapter on the frozen base as the recipe does (qlora: NF4 base through bitsandbytes)")
+    p.add_argument("--lora-rank", type=int, default=16, help="adapter rank (default: %(default)s)")
     p.add_argument("--no-predict", action="store_true", help="skip the plan's traced prediction")
     p.add_argument("--out", required=True, help="output directory (written whole, atomically)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
@@ -53,7 +57,7 @@ def _check(args):
     from ..util.errors import HfscaleError
     from ..models.builtin import load_config
 
-    for flag in ("steps", "micro_batch", "seq_len", "num_processes"):
+    for flag in ("steps", "micro_batch", "seq_len", "num_processes", "lora_rank"):
         if getattr(args, flag) < 1:
             raise HfscaleError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if args.config and not Path(args.config).is_file():
@@ -81,7 +85,8 @@ def run(args) -> int:
     out = Path(args.out)
     check_writable({out: "--out"}, args.force, inputs={args.model: "--model", **({args.config: "--config"} if args.config else {})})
     extra = ["--model", args.model, "--steps", str(args.steps), "--micro-batch", str(args.micro_batch),
-             "--seq-len", str(args.seq_len), "--checkpointing", args.checkpointing, "--adamw", args.adamw]
+             "--seq-len", str(args.seq_len), "--checkpointing", args.checkpointing, "--adamw", args.adamw,
+             "--adapter", args.adapter, "--lora-rank", str(args.lora_rank)]
     stage = begin_stage(out, directory=True)
     try:
         if args.config:

@@ -50,8 +50,10 @@ def adapter_view(s: Setup) -> AdapterView | None:
         kind = sec.get("kind", "lora")
         if kind not in ADAPTER_KINDS[1:]:
             return None
-        return AdapterView(kind, _names(sec.get("targets")), _names(sec.get("modules_to_save")) or (),
-                           sec.get("merge") is True, _args(s, "adapter"))
+        # the section's targets are leaf names hfscale.scale.adapters resolves to exact decoder modules (a clippable
+        # linear through its .linear): never handed to peft as names, so not checked as such (None)
+        return AdapterView(kind, None, _names(sec.get("modules_to_save")) or (), sec.get("merge") is True,
+                           _args(s, "adapter"))
     peft = any(get(a, k) not in (MISSING, None, False, 0) for k in ("use_peft", "lora_r", "peft", "lora", "qlora"))
     four = get(a, "load_in_4bit") is True or get(a, "qlora") is True
     if not (peft or four):

@@ -61,6 +61,8 @@ class RankProfile:
     extra: dict = field(default_factory=dict)  # bytes MemTracker cannot see (DDP's buckets), CUDA's numbers
     grad_accum: int = 1
     reshard_after_forward: bool = True  # FSDP2's setting (the planner models both)
+    adapter: str = "none"  # hfscale.scale.adapters.AdapterSpec's kind trained (none: every parameter)
+    lora_rank: int = 0
 
     @property
     def peak_step1(self) -> int:
@@ -250,7 +252,8 @@ def predict(config, r: dict) -> dict:
         return step_prediction(config, r["micro_batch"], r["seq_len"], precision, r["attention"], r["checkpointing"],
                                grad_accum=r.get("grad_accum", 1), zero=r["zero"], dp=r["world"], offload=r["offload"], engine=r["engine"], adamw=adamw,
                                reshard_after_forward=r.get("reshard_after_forward", True),
-                               rank=r.get("rank"), kernels="cuda" if str(r.get("device", "cpu")).startswith("cuda") else "cpu")
+                               rank=r.get("rank"), kernels="cuda" if str(r.get("device", "cpu")).startswith("cuda") else "cpu",
+                               lora_rank=r.get("lora_rank", 0), adapter=r.get("adapter", "none") if r.get("lora_rank") else "lora")
     except HfscaleError as e:
         return {"error": str(e)}
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..plan.profiler import MemoryProfiler, RankProfile
@@ -34,7 +37,30 @@ def _parse(argv):
     p.add_argument("--checkpointing", default="off")
     p.add_argument("--adamw", default="fused")  # hfscale.scale.optim.ADAMW (make_optimizer checks it)
     p.add_argument("--precision", default="launch", choices=PRECISION_CHOICES)
+    p.add_argument("--adapter", default="none")  # hfscale.scale.adapters.KINDS (AdapterSpec checks it)
+    p.add_argument("--lora-rank", type=int, default=16)
     return p.parse_args(argv)
+
+
+def _model(args, precision: str, engine: str, rank: int = 0):
+    """The model as the recipe trains it: built-in weights (seeded), the adapter applied; QLoRA's base loaded in NF4
+    with the storage dtype the engine shards (hfscale.plan.adapters.quant_storage)."""
+    import torch
+
+    from ..models.builtin import build_model
+    from ..plan.adapters import quant_storage
+    from ..scale.adapters import AdapterSpec, apply_adapter, load_quantized_base
+
+    spec = AdapterSpec(args.adapter, rank=args.lora_rank)
+    if spec.base_bits == 4:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        storage = getattr(torch, quant_storage(engine, precision))
+        scratch = Path(args.out) / f"qlora_base_rank{rank}"  # the seeded weights written once, then quantized
+        model = load_quantized_base(args.model, dtype, storage, seed=0, scratch=scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
+    else:
+        model = build_model(args.model, seed=0)
+    return apply_adapter(model, spec), spec
 
 
 def run(args) -> RankProfile:
@@ -42,7 +68,7 @@ def run(args) -> RankProfile:
 
     from ..scale.checkpointing import apply_checkpointing_
     from ..util.hosts import bf16_support, resolve_precision
-    from ..models.builtin import build_model, load_config
+    from ..models.builtin import load_config
     from ..scale.runtime import make_accelerator, make_optimizer, read_launch, set_deepspeed_micro_batch
 
     launched = read_launch(os.environ)
@@ -51,7 +77,8 @@ def run(args) -> RankProfile:
     accelerator = make_accelerator(precision=choice.precision if choice.overridden else None)
     set_deepspeed_micro_batch(accelerator, args.micro_batch)
     config = load_config(args.model)
-    model = build_model(args.model, seed=0)
+    engine = "fsdp2" if accelerator.is_fsdp2 else "zero3" if _zero_stage(accelerator) == 3 else "other"
+    model, spec = _model(args, choice.precision, engine, accelerator.process_index)
     apply_checkpointing_(model, args.checkpointing, launched.fsdp_checkpoints_all)
     optimizer = make_optimizer(accelerator, model, lr=1e-4, adamw=args.adamw)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -59,7 +86,9 @@ def run(args) -> RankProfile:
     ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(accelerator.device)
     model.train()
     prof = MemoryProfiler(model, optimizer, deepspeed_engine(accelerator))
+    seconds = []
     for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
         with prof.phase("forward", step):
             loss = model(input_ids=ids, labels=ids).loss
         with prof.phase("backward", step):
@@ -67,8 +96,17 @@ def run(args) -> RankProfile:
         del loss
         with prof.phase("optimizer", step):
             optimizer_step(accelerator, optimizer)
-    return prof.result(accelerator, optimizer, args.model, args.micro_batch, args.seq_len, args.checkpointing,
-                       choice.precision, snapshot_dir=args.out)
+        seconds.append(time.perf_counter() - t0)
+    out = prof.result(accelerator, optimizer, args.model, args.micro_batch, args.seq_len, args.checkpointing,
+                      choice.precision, snapshot_dir=args.out)
+    # wall seconds per step, under the tracker (its per-op accounting slows every step alike)
+    out.extra["step_seconds"] = seconds
+    return replace(out, adapter=spec.kind, lora_rank=spec.rank if spec.enabled else 0)
+
+
+def _zero_stage(accelerator) -> int:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)) if plugin is not None else 0
 
 
 def main(argv=None) -> int:

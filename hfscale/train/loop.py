@@ -125,6 +125,7 @@ def run_doctor(cfg, plan, launch, precision, support, source: str | None) -> Non
         "bf16": precision.precision == "bf16",
         "fp16": precision.precision == "fp16",
         "gradient_checkpointing": cfg.checkpointing != "off",
+        **_doctor_adapter_keys(getattr(cfg, "adapter", None), launch, precision.precision),
     }
     findings = check(deepspeed=ds, args=args, model=cfg.model, num_processes=launch.world,
                      labels={"deepspeed": ds_label, "args": label}, host_bf16=support, cpu_launch=launch.on_cpu)
@@ -137,6 +138,23 @@ def run_doctor(cfg, plan, launch, precision, support, source: str | None) -> Non
             where = f"{label}:{RECIPE_KEYS.get(key, key)}"
         what = f.what.replace("per_device_train_batch_size", f"{label}'s micro_batch")
         raise HfscaleError(f"hfscale doctor: {where}: {what}; {f.fix} (run `hfscale doctor` for all findings)")
+
+
+def _doctor_adapter_keys(adapter, launch, precision: str) -> dict:
+    """The recipe's adapter as doctor reads it (hfscale/doctor/adapters.py): the adapter section, the 4-bit storage the
+    NF4 base is loaded with on this engine, and the recipe's non-reentrant checkpointing (hfscale.scale.checkpointing)."""
+    from ..scale.adapters import AdapterSpec
+
+    spec = AdapterSpec.from_mapping(adapter) if adapter is None or isinstance(adapter, (str, dict)) else adapter
+    if not spec.enabled:
+        return {}
+    out = {"adapter": spec.to_dict(), "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    if spec.base_bits == 4:
+        from ..plan.adapters import quant_storage
+
+        stage = ((launch.deepspeed or {}).get("zero_optimization") or {}).get("stage")
+        out["bnb_4bit_quant_storage"] = quant_storage("zero3" if stage == 3 else "other", precision)
+    return out
 
 
 def start_run(cfg, force: bool, pre: Preflight, tag: str):
