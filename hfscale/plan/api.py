@@ -209,7 +209,7 @@ LEVERS_WHY = ("long-context levers, planned analytically per phase (hfscale.plan
 
 
 def _lever_candidates(d, hw: Hardware, seq_len: int, tokens: int, precision: str, attention: str, sizes,
-                      layers: int) -> list[Candidate]:
+                      layers: int, adapter: dict | None = None) -> list[Candidate]:
     """ALST's levers over ZeRO-3 + full checkpointing (planner.lever_strategies), each predicted by
     plan/long_context.py; the cost adds the step time the levers add (their recompute and host copies)."""
     from .long_context import alst_levers, lever_prediction
@@ -219,13 +219,14 @@ def _lever_candidates(d, hw: Hardware, seq_len: int, tokens: int, precision: str
     todo = lever_strategies(hw, seq_len, tokens, precision, attention, sizes)
     max_tokens = max((s.micro_batch * seq_len // s.sp for s, _ in todo), default=1)
     for s, accum in todo:
+        s = replace(s, **(adapter or {}))  # the adapter asked for (its model states in lever_prediction's terms)
         base = replace(s, levers="none")
         levers = alst_levers(d, base, offload=s.levers.endswith("offload"))
         lp = lever_prediction(d, base, levers)
         terms = {k: lp.base[k] for k in ("weights", "gradients", "optimizer", "activations", "recompute_working",
                                          "zero3_live")}
         states = {k: terms[k] for k in ("weights", "gradients", "optimizer", "zero3_live") if terms[k]}
-        pred = Prediction("analytic", lp.total, d.params, d.params, lp.base["offloaded_per_rank"] + lp.host_bytes_per_rank,
+        pred = Prediction("analytic", lp.total, d.params, lp.base.get("trainable_params", d.params), lp.base["offloaded_per_rank"] + lp.host_bytes_per_rank,
                           breakdown={**states, **lp.changes}, terms=terms,
                           not_traced=LEVERS_WHY,
                           extra={"levers": {"tiled_loss": levers.tiled_loss, "tiled_mlp": levers.tiled_mlp,
@@ -375,7 +376,8 @@ def plan(model: str, seq_len: int, micro_batch: int, *, checkpointing: str = "of
                                "or drop --sp / --tp / --cp")
         best = pick(rows)
         if best is None and d is not None and "deepspeed" in engines:  # the long-context levers, where nothing else fits
-            rows = rows + _lever_candidates(d, hardware, seq_len, tokens, precision, attention, sizes, shape.layers)
+            rows = rows + _lever_candidates(d, hardware, seq_len, tokens, precision, attention, sizes, shape.layers,
+                                            _adapter_fields(s))
             rows.sort(key=lambda r: (not r.fits, r.cost, r.peak_bytes))
             best = pick(rows)
         if best is None:
