@@ -7,8 +7,9 @@
    path hfscale.scale.adapters.apply_adapter + hfscale.proofs.profile) and tokens/s of each adapter kind under each
    engine (hfscale's shipped DDP / ZeRO-2 / ZeRO-3 / FSDP2 accelerate configs, 2 CPU processes over gloo), on a
    Gemma 3 of >= 100M parameters (config below), beside the plan's prediction for the same run: the traced step
-   (`hfscale profile`'s own comparison, i.e. `plan.peak.step_prediction`) for full / LoRA / DoRA, the analytic
-   terms for QLoRA (`hfscale plan --adapter qlora`: bitsandbytes has no fake kernels). Tokens/s are measured under
+   (`hfscale profile`'s own comparison, i.e. `plan.peak.step_prediction`) for full / LoRA / DoRA and for QLoRA under
+   DDP (the LoRA trace with the NF4 base: bitsandbytes has no fake kernels), the analytic terms for QLoRA under ZeRO /
+   FSDP2 (`hfscale plan --adapter qlora`). Tokens/s are measured under
    the tracker (it slows every op alike) over the steps after the first.
 2. nf4: the QLoRA base as bitsandbytes stores it (transformers' quantizer, blocksize 64, double quantization) on the
    same model against `plan.memory.nf4_base_bytes` and against the flat 0.5 B/weight of "4-bit".
@@ -76,7 +77,7 @@ def memory(work: Path, results: dict, only=None) -> None:
     for engine, cfg in ENGINES.items():
         for kind in KINDS:
             key = f"{engine}/{kind}"
-            if only and key not in only or key in rows and "error" not in rows[key]:
+            if (key not in only) if only else (key in rows and "error" not in rows[key]):
                 continue
             out = work / f"prof-{cfg}-{kind}"
             t0 = time.time()
@@ -218,8 +219,8 @@ def report(results: dict) -> str:
                   f"over gloo, fp32, micro batch {MICRO} x {SEQ} tokens, rank {RANK} on q/k/v/o/gate/up/down, "
                   f"{STEPS} steps (the last is the steady one), AdamW fused. Measured: MemTracker inside each rank "
                   "(`hfscale profile --adapter KIND`: hfscale.scale.adapters.apply_adapter + the profile worker; the "
-                  "recipe's own adapter runs are not in this table). Planned: the traced step (full / LoRA / DoRA) or "
-                  "the analytic terms (QLoRA). tokens/s: both ranks' tokens over the mean step after the first, under the "
+                  "recipe's own adapter runs are not in this table). Planned: the traced step (full / LoRA / DoRA; QLoRA "
+                  "under DDP: the LoRA trace with the NF4 base) or the analytic terms (QLoRA under ZeRO / FSDP2). tokens/s: both ranks' tokens over the mean step after the first, under the "
                   "tracker, on a host shared with other jobs (compare within a column with care).", "",
                   "| engine | kind | measured peak MiB (rank 0 / 1) | planned MiB | plan error | x full | tokens/s |",
                   "|---|---|---|---|---|---|---|"]

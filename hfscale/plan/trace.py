@@ -19,7 +19,7 @@ What is traced is what this module runs, per rank without sharding (ZeRO-0 / DDP
   attention  sdpa | eager (transformers' attn_implementation)
   adapter    lora_rank > 0: LoRA or DoRA (`adapter`) through hfscale.scale.adapters.apply_adapter, the recipe's targets
              (DoRA's magnitude vectors train, and its forward's weight norms are traced); QLoRA's NF4 kernels
-             (bitsandbytes) have no fake implementation: planned from the analytic terms (memory.nf4_base_bytes)
+             (bitsandbytes) have no fake implementation: peak.py lays the NF4 base over the LoRA trace (DDP)
   grad_accum 2+ traces two micro batches per step, so the second forward runs with gradients alive.
   packing    False: each row one sequence (no mask: sdpa's causal path); True: each row packed with documents
              (`packed_rows`, hfscale.models.documents' contract), run as a packed training step runs it
