@@ -384,6 +384,10 @@ LORA_GC = {"use_peft": True, "gradient_checkpointing": True}
      Setup(args={"use_peft": True, "lora_modules_to_save": ["norm"]}, model_config=_tied_gemma())),
     ("adapter-gemma4-clippable", Setup(args={"use_peft": True, "lora_target_modules": ["q_proj", "v_proj"]}, model_config=_gemma4_multimodal()),
      Setup(args={"use_peft": True}, model_config=_gemma4_multimodal())),
+    ("qlora-fsdp2-storage", Setup(accelerate=yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text()),
+                                  args={"use_peft": True, "load_in_4bit": True}),
+     Setup(accelerate=yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text()),
+           args={"use_peft": True, "load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"})),
     # the recipe's adapter section makes QLoRA under ZeRO-3 a quantized base too
     ("qlora-zero3-storage", Setup(deepspeed=ds(), args={"adapter": {"kind": "qlora"}, "bf16": True}),
      Setup(deepspeed=ds(), args={"adapter": {"kind": "qlora"}, "bf16": True, "bnb_4bit_quant_storage": "bfloat16"})),

@@ -12,6 +12,7 @@ The traps (issue 37; ../shared/ANCHORS.md "Adapters"):
   adapter-tied-modules-to-save  modules_to_save on a tied embedding / lm_head unties them (peft #1750)
   adapter-gemma4-clippable   Gemma 4's vision / audio towers hold Gemma4ClippableLinear (not an nn.Linear) under
                              the decoder's names (q_proj, gate_proj, ...): peft rejects them (peft #3129)
+  qlora-fsdp2-storage        a 4-bit base under FSDP2 stored as uint8 trains to loss 0 / NaN (accelerate #3983)
 Run on CPU: tests/test_doctor.py (each with a failing and a passing input).
 """
 
@@ -142,3 +143,18 @@ def gemma4_clippable(s: Setup) -> Iterator[Finding]:
                       "are not nn.Linear: peft refuses the model (peft #3129)",
                       "leave targets unset (hfscale's default adapts the language model's decoder linears only) or "
                       "give a regex over the language model, e.g. '.*language_model.*\\.(q_proj|v_proj)'")
+
+
+@check
+def qlora_fsdp2_storage(s: Setup) -> Iterator[Finding]:
+    from .fsdp import _fsdp2
+
+    v, a = adapter_view(s), s.args if isinstance(s.args, dict) else {}
+    if v is None or v.kind != "qlora" or not _fsdp2(s) or isinstance(a.get("adapter"), (dict, str)):
+        return  # the recipe's section: hfscale loads the base with the storage FSDP2 needs (plan.adapters.quant_storage)
+    storage = get(a, "bnb_4bit_quant_storage")
+    if storage in (MISSING, "uint8", "torch.uint8"):
+        yield Finding("qlora-fsdp2-storage", "error", _args(s, "bnb_4bit_quant_storage"),
+                      f"a 4-bit base under FSDP2 stored as {storage if storage is not MISSING else 'uint8 (the default)'} "
+                      "trains to loss 0 / NaN (accelerate #3983): FSDP2 shards parameters of one dtype",
+                      "set bnb_4bit_quant_storage to the model's dtype (bfloat16)")
