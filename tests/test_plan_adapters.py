@@ -66,7 +66,7 @@ def test_compare_adapters_side_by_side(capsys):
     fp32_linears = 4 * sum(i * o for _, i, o in decoder_linears(d))  # what the fp32 trace holds, NF4 holds instead
     assert rows["lora"].peak - rows["qlora"].peak == fp32_linears - nf4_base_bytes(d)["nf4"]
     z3 = compare_adapters("tiny-gemma3", 32, 1, rank=4, precision="fp32", zero=3, dp=2, kinds=("qlora",))[0]
-    assert z3.source == "analytic" and "ZeRO" in z3.note
+    assert z3.source == "analytic" and "ZeRO-3" in z3.note
     assert main(["plan", "--model", "tiny-gemma3", "--seq-len", "32", "--micro-batch", "1", "--precision", "fp32",
                  "--lora-rank", "4", "--compare-adapters"]) == 0
     out = capsys.readouterr().out

@@ -176,18 +176,17 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
         kw["packing"] = True
     nf4_delta = 0
     if lora_rank and adapter == "qlora":
-        if engine != "ddp":
+        if engine == "fsdp2" or zero == 3:
             from ..util.errors import HfscaleError
 
-            raise HfscaleError("QLoRA's step is traced under DDP only (its NF4 base laid over the LoRA trace); under "
-                               f"{engine} it is planned from the analytic terms")
+            raise HfscaleError("QLoRA's step is traced where parameters are not sharded (DDP, ZeRO-1/2: its NF4 base "
+                               f"laid over the LoRA trace); under {'FSDP2' if engine == 'fsdp2' else 'ZeRO-3'} it is "
+                               "planned from the analytic terms")
         nf4_delta = _nf4_delta(config, kw["precision"])
         adapter = "lora"
     if lora_rank:  # the recipe's targets (not peft's all-linear, as adapter traces were cached before): new keys
         kw["adapter"] = adapter
     tr = scaled_trace(config, micro_batch=micro_batch, **kw)
-    if nf4_delta:
-        tr = _with_nf4_base(tr, nf4_delta)
     if engine == "deepspeed":
         from .zero import deepspeed_phases
 
@@ -209,6 +208,9 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
             # before DDP rebuilds its buckets (step 2's forward) the first backward leaves one more gradient-sized
             # copy alive into the optimizer step (measured on CPU / gloo: hfscale profile, benchmarks/step_peak.py)
             steps[False]["optimizer"]["ddp_step1_copy"] = buckets
+    if nf4_delta:  # QLoRA: the unsharded frozen linears held as NF4 (parameters only)
+        steps = {s: {ph: {**k, "parameters": k.get("parameters", 0) - nf4_delta} for ph, k in v.items()}
+                 for s, v in steps.items()}
     from .zero import HOST, split_host
 
     steady, step1 = ({ph: split_host(k)[0] for ph, k in steps[s].items()} for s in (True, False))
@@ -234,7 +236,8 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
 def _nf4_delta(config, precision: str) -> int:
     """Bytes a QLoRA base saves over the LoRA trace's: every decoder linear weight, traced in the precision's dtype,
     held instead as bitsandbytes' NF4 (memory.nf4_base_bytes). Exact where the QLoRA model's other weights are in the
-    traced dtype (fp32, or bf16 under DeepSpeed's layout), as the profile's QLoRA runs load them."""
+    traced dtype (fp32, or bf16 under DeepSpeed's layout), as the profile's QLoRA runs load them. The dequantized
+    weight bitsandbytes makes per matmul lives one layer at a time (measured below the step peak: +0.5% on DDP)."""
     from ..models.dims import dims_from_config
     from .memory import decoder_linears, nf4_base_bytes
 
@@ -243,25 +246,14 @@ def _nf4_delta(config, precision: str) -> int:
     return sum(i * o for _, i, o in decoder_linears(d)) * elem - nf4_base_bytes(d)["nf4"]
 
 
-def _with_nf4_base(tr: StepTrace, delta: int) -> StepTrace:
-    """The LoRA trace with its frozen decoder linears' bytes replaced by their NF4 storage (parameters only: the
-    dequantized weight bitsandbytes makes per matmul lives one layer at a time, measured below the step peak)."""
-    def less(p: PhasePeak) -> PhasePeak:
-        kinds = {**p.breakdown, "parameters": p.breakdown.get("parameters", 0) - delta}
-        return PhasePeak(p.bytes - delta, kinds)
-
-    return replace(tr, micro=[{ph: less(v) for ph, v in m.items()} for m in tr.micro],
-                   optimizer_step1=less(tr.optimizer_step1), optimizer_steady=less(tr.optimizer_steady))
-
-
 def untraceable(s) -> str | None:
     """Why a planner Strategy's step cannot be traced (then only the analytic terms are reported)."""
     if s.optimizer != "adamw":
         return f"the trace runs AdamW; --optimizer {s.optimizer} is predicted from the analytic terms only"
-    if s.base_bits == 4 and (s.zero or getattr(s, "engine", "auto") != "auto"):
-        return ("QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; under DDP its step is the LoRA "
-                "trace with the NF4 base, under ZeRO / FSDP2 the analytic terms (the NF4 base as bitsandbytes stores it: "
-                "memory.nf4_base_bytes)")
+    if s.base_bits == 4 and (s.zero == 3 or getattr(s, "engine", "auto") == "fsdp2"):
+        return ("QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; under DDP and ZeRO-1/2 its step is "
+                "the LoRA trace with the NF4 base, under ZeRO-3 / FSDP2 (sharded NF4 storage) the analytic terms (the NF4 "
+                "base as bitsandbytes stores it: memory.nf4_base_bytes)")
     return None
 
 
