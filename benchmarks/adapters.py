@@ -110,6 +110,33 @@ def memory(work: Path, results: dict, only=None) -> None:
             save(results)
 
 
+def repredict(work: Path, results: dict) -> None:
+    """The plan's prediction of every measured row again with the code as it is now (the same call `hfscale profile`
+    makes, per rank: plan.peak.step_prediction), so rows measured while the planner changed (QLoRA traced, ZeRO-3's
+    gathered frozen base) are compared with one planner; rows it refuses (QLoRA under ZeRO-3 / FSDP2) keep the
+    analytic terms."""
+    from hfscale.models.builtin import load_config
+    from hfscale.plan.peak import step_prediction
+    from hfscale.util.errors import HfscaleError
+
+    config = load_config(str(model_dir(work)))
+    for key, row in results.get("memory", {}).items():
+        if "measured" not in row:
+            continue
+        zero, eng = {"DDP": (0, "ddp"), "ZeRO-2": (2, "deepspeed"), "ZeRO-3": (3, "deepspeed"), "FSDP2": (0, "fsdp2")}[row["engine"]]
+        kind = row["kind"]
+        try:
+            pred = [step_prediction(config, MICRO, SEQ, "fp32", zero=zero, dp=2, engine=eng,
+                                    lora_rank=0 if kind == "none" else RANK, adapter="lora" if kind == "none" else kind,
+                                    rank=r)["peak"] for r in range(len(row["measured"]))]
+        except HfscaleError:
+            continue
+        row.update(predicted=pred, predicted_by="traced step",
+                   error_pct=[round(100 * (p / m - 1), 2) for p, m in zip(pred, row["measured"])])
+        print("repredicted", key, row, flush=True)
+    save(results)
+
+
 def nf4(work: Path, results: dict) -> None:
     import torch
 
@@ -213,6 +240,27 @@ def report(results: dict) -> str:
              f"Host: {results['host']}. Run: `nice -n 19 .venv/bin/python benchmarks/adapters.py` "
              f"({results.get('date', '')}).", ""]
     mem = results.get("memory", {})
+    lines += ["## Targets (issue 37)", "", "| target | result | met |", "|---|---|---|"]
+    done = [r for r in mem.values() if "measured" in r]
+    if done:
+        worst = max(done, key=lambda r: max(abs(e) for e in r["error_pct"]))
+        bad = [f"{r['engine']} {NAMES[r['kind']]}" for r in done if max(abs(e) for e in r["error_pct"]) > 3]
+        lines.append(f"| plan within +-3% of every measured peak | {len(done) - len(bad)} of {len(done)} runs within; worst "
+                     f"{worst['engine']} {NAMES[worst['kind']]} {max(worst['error_pct'], key=abs):+.1f}%"
+                     f"{'; outside: ' + ', '.join(bad) if bad else ''} | {'yes' if not bad else 'no'} |")
+    ddp_full, ddp_lora = mem.get("DDP/none", {}).get("measured"), mem.get("DDP/lora", {}).get("measured")
+    if ddp_full and ddp_lora:
+        x = max(ddp_lora) / max(ddp_full)
+        lines.append(f"| LoRA's per-rank peak <= 0.5x full under DDP | {x:.3f}x | {'yes' if x <= 0.5 else 'no'} |")
+    n = results.get("nf4")
+    if n:
+        lines.append(f"| QLoRA's 4-bit base within 5% of its analytic NF4 size | {n['error_pct']:+.4f}% | "
+                     f"{'yes' if abs(n['error_pct']) <= 5 else 'no'} |")
+    e = results.get("eval", {}).get("rows", {})
+    if "lora" in e and "of_full" in e["lora"]:
+        lines.append(f"| LoRA >= 80% of full fine-tuning's eval-loss improvement | {100 * e['lora']['of_full']:.1f}% | "
+                     f"{'yes' if e['lora']['of_full'] >= 0.8 else 'no'} |")
+    lines.append("")
     if mem:
         lines += ["## Per-rank peak and tokens/s under each engine", "",
                   f"A Gemma 3 of 101.6M parameters (12 x 768, vocab 32,768, tied; config in the script), 2 CPU processes "
@@ -270,7 +318,7 @@ def report(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=["memory", "nf4", "eval", "report"], action="append")
+    ap.add_argument("--part", choices=["memory", "repredict", "nf4", "eval", "report"], action="append")
     ap.add_argument("--only", help="memory rows to (re)run, e.g. DDP/lora,ZeRO-3/none")
     ap.add_argument("--eval-steps", type=int, default=60)
     ap.add_argument("--work", default=None)
@@ -288,6 +336,8 @@ def main(argv=None) -> int:
         evaluate(work, results, args.eval_steps, {"none": 3e-4, "lora": 3e-3, "dora": 3e-3, "qlora": 3e-3})
     if "memory" in parts:
         memory(work, results, set(args.only.split(",")) if args.only else None)
+    if "repredict" in parts:
+        repredict(work, results)
     save(results)
     (OUT / "adapters.md").write_text(report(results))
     print(f"wrote {OUT / 'adapters.md'}")

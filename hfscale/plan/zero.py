@@ -150,7 +150,10 @@ def deepspeed_phases(tr: StepTrace, zero: int, dp: int, offload: str, hidden: in
         if zero == 3:
             # step 1 releases each module's parameters after use: at the forward peak (the loss) and the backward
             # peak (its start) none were gathered on the measured rows
-            kinds["parameters"] = (d * P if P <= REUSE_DISTANCE else 2 * tr.largest_module_param_bytes) if steady else 0
+            # frozen parameters (LoRA's base) are partitioned and gathered alike: all of them stay gathered below the
+            # reuse distance (measured on a 101.6M Gemma 3 with LoRA: benchmarks/results/adapters.md)
+            kinds["parameters"] = ((d * tr.params if tr.params <= REUSE_DISTANCE else 2 * tr.largest_module_param_bytes)
+                                   if steady else 0)
         else:
             kinds["parameters"] = k.get("parameters", 0)
         if phase == "backward" and zero == 2 and not off and tr.grad_arrivals:
