@@ -237,8 +237,9 @@ def save(results: dict) -> None:
 def report(results: dict) -> str:
     gib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     lines = ["# Adapters: full fine-tuning, LoRA, DoRA, QLoRA (issue 37)", "",
-             f"Host: {results['host']}. Run: `nice -n 19 .venv/bin/python benchmarks/adapters.py` "
-             f"({results.get('date', '')}).", ""]
+             f"Host: {results['host']} (Sapphire Rapids; every run here in fp32). Run: `nice -n 19 "
+             f".venv/bin/python benchmarks/adapters.py` (parts run separately, last write {results.get('date', '')}).",
+             ""]
     mem = results.get("memory", {})
     lines += ["## Targets (issue 37)", "", "| target | result | met |", "|---|---|---|"]
     done = [r for r in mem.values() if "measured" in r]
@@ -267,8 +268,13 @@ def report(results: dict) -> str:
                   f"over gloo, fp32, micro batch {MICRO} x {SEQ} tokens, rank {RANK} on q/k/v/o/gate/up/down, "
                   f"{STEPS} steps (the last is the steady one), AdamW fused. Measured: MemTracker inside each rank "
                   "(`hfscale profile --adapter KIND`: hfscale.scale.adapters.apply_adapter + the profile worker; the "
-                  "recipe's own adapter runs are not in this table). Planned: the traced step (full / LoRA / DoRA; QLoRA "
-                  "under DDP: the LoRA trace with the NF4 base) or the analytic terms (QLoRA under ZeRO / FSDP2). tokens/s: both ranks' tokens over the mean step after the first, under the "
+                  "recipe's own adapter runs are not in this table). Planned (recomputed with the final planner, `--part "
+                  "repredict`): the traced step (full / LoRA / DoRA; QLoRA under DDP and ZeRO-2: the LoRA trace with "
+                  "its decoder linears as NF4) or the analytic terms (adapters under FSDP2, whose traced rules cover full "
+                  "fine-tuning only). ZeRO-3 full (+17.6%) and FSDP2 full (+3.2%) are the planner's full fine-tuning "
+                  "rules at this size (backward gradients / temporaries over-counted), not adapter terms. QLoRA under "
+                  "ZeRO-3 failed in the profile worker, which loads the NF4 base without DeepSpeed's sharded init (the "
+                  "recipe's QLoRA path is the adapters helper's); it was not measured. tokens/s: both ranks' tokens over the mean step after the first, under the "
                   "tracker, on a host shared with other jobs (compare within a column with care).", "",
                   "| engine | kind | measured peak MiB (rank 0 / 1) | planned MiB | plan error | x full | tokens/s |",
                   "|---|---|---|---|---|---|---|"]
