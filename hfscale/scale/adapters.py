@@ -32,6 +32,7 @@ DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 # peft's init_lora_weights values offered here: default (A Kaiming-uniform, B zero: the model starts unchanged),
 # gaussian (A normal), pissa / olora (A, B from the base's SVD / QR, the base keeps the residual: the base changes)
 INITS = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
+NAMES = {"none": "full", "lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA"}
 TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector")
 
 
@@ -109,7 +110,7 @@ class AdapterSpec:
             [f"LoRA+ x{self.lora_plus_ratio:g}"] if self.lora_plus_ratio != 1 else []) + (
             [f"init {self.init}"] if self.init != "default" else []) + (
             [f"{len(self.trainable_tokens)} trainable tokens"] if self.trainable_tokens else [])
-        return f"{self.kind.upper() if self.kind != 'qlora' else 'QLoRA'} r{self.rank} ({', '.join(extras)})"
+        return f"{NAMES[self.kind]} r{self.rank} ({', '.join(extras)})"
 
     def to_dict(self) -> dict:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
@@ -220,10 +221,27 @@ def bnb_config(compute_dtype, storage_dtype):
                               bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage_dtype)
 
 
-def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: int = 0, scratch=None):
+def qlora_dtypes(precision: str, zero_stage: int | None, fsdp: bool):
+    """(compute dtype, storage dtype) of an NF4 base for a launch: DeepSpeed casts its module to the run's 16-bit
+    dtype, so there the non-quantized weights are in it (elsewhere fp32, autocast computing in 16 bits); ZeRO-3
+    partitions every parameter as one dtype, so the packed bytes are stored in the module's dtype (peft's docs;
+    hfscale doctor's qlora-zero3-storage), uint8 otherwise. FSDP2 is refused: one line naming the way out."""
+    import torch
+
+    if fsdp:
+        raise ConfigError("a 4-bit (QLoRA) base under FSDP2 has not run here (uint8 storage trains to loss 0 / NaN, "
+                          "accelerate #3983); launch with accelerate_configs/zero3.yaml (sharded NF4 base) or ddp.yaml, "
+                          "or use --adapter lora under FSDP2")
+    ds16 = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if zero_stage is not None else None
+    compute = ds16 or torch.float32
+    return compute, compute if zero_stage == 3 else torch.uint8
+
+
+def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: int = 0, scratch=None, device_map=None):
     """The causal LM with NF4 decoder linears (bitsandbytes; embeddings, norms and lm_head stay in compute_dtype).
-    A built-in name is written once (seeded, the same weights build_model gives) to `scratch` and loaded from there:
-    transformers quantizes on from_pretrained only."""
+    A built-in name is written (seeded, the same weights build_model gives) to `scratch` (default: a temporary
+    directory, removed after) and loaded from there: transformers quantizes on from_pretrained only. `device_map`:
+    "cpu" on CPU hosts (bitsandbytes quantizes there), None under DeepSpeed / accelerate on GPUs."""
     import tempfile
     from pathlib import Path
 
@@ -237,17 +255,17 @@ def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: i
         if not (tmp / "config.json").is_file():
             save_pretrained_dir(name_or_path, tmp, seed=seed)
         path = str(tmp)
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(compute_dtype, storage_dtype),
-                                                 dtype=compute_dtype, device_map="cpu" if _on_cpu() else None,
-                                                 use_safetensors=True, trust_remote_code=False)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(compute_dtype, storage_dtype),
+                                                     dtype=compute_dtype, device_map=device_map, use_safetensors=True,
+                                                     trust_remote_code=False)
+    finally:
+        if is_builtin(name_or_path) and scratch is None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
     model.config.name_or_path = name_or_path
     return model
-
-
-def _on_cpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def nf4_bytes(model) -> int:
