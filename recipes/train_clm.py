@@ -131,7 +131,7 @@ def train(cfg, force, pre, parallel, store) -> int:
 
     # --- model: the base (NF4 for QLoRA), checkpointing and the levers on it, then the adapter (base frozen) ---
     spec = cfg.adapter_spec
-    model = build_base(cfg, spec, pre) if spec.enabled else build_model(cfg.model, seed=cfg.seed)
+    model = build_base(cfg, spec, pre, accelerator)
     loss_fn = lm_loss
     if parallel.sp > 1:  # Ulysses wraps the kernel the model runs: the same one, window-aware where it is sdpa
         from deepspeed.utils import groups
@@ -185,17 +185,31 @@ def train(cfg, force, pre, parallel, store) -> int:
     return 0
 
 
-def build_base(cfg, spec, pre):
-    """The frozen base an adapter trains on: as build_model gives it, or (QLoRA) with NF4 decoder linears stored in
-    the dtype the launch's engine shards (hfscale.scale.adapters.qlora_dtypes; FSDP2 refused before this, in check_adapter)."""
+def build_base(cfg, spec, pre, accelerator):
+    """The model (the frozen base an adapter trains on): as build_model gives it (ZeRO-3: partitioned by zero.Init), or
+    (QLoRA) with NF4 decoder linears stored in the dtype the launch's engine shards (hfscale.scale.adapters.qlora_dtypes;
+    FSDP2 refused before this, in check_adapter), loaded under zero.Init too on ZeRO-3 (a built-in name is first
+    written whole, seeded, to a directory of this rank's: transformers quantizes on from_pretrained only)."""
+    import tempfile
+
     from hfscale.models import build_model
 
     if spec.base_bits == 16:
         return build_model(cfg.model, seed=cfg.seed)
-    from hfscale.scale.adapters import load_quantized_base
+    from hfscale.models.builtin import is_builtin
+    from hfscale.scale.adapters import load_quantized_base, write_weights
+    from hfscale.scale.runtime import without_zero_init
 
     compute, storage = qlora_dtypes_of(pre)
-    return load_quantized_base(cfg.model, compute, storage, seed=cfg.seed, device_map="cpu" if pre.launch.on_cpu else None)
+    device_map = "cpu" if pre.launch.on_cpu and pre.launch.deepspeed is None else None  # DeepSpeed places it itself
+    with tempfile.TemporaryDirectory(prefix="hfscale-base-") as tmp:
+        path = cfg.model
+        if is_builtin(cfg.model):
+            with without_zero_init(accelerator):
+                path = str(write_weights(build_model(cfg.model, seed=cfg.seed), tmp))
+        model = load_quantized_base(path, compute, storage, device_map=device_map)
+    model.config.name_or_path = cfg.model
+    return model
 
 
 def qlora_dtypes_of(pre):

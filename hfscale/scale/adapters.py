@@ -22,6 +22,7 @@ them, peft #1750).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from dataclasses import dataclass, fields
 
 from ..util.errors import ConfigError
@@ -247,13 +248,13 @@ def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: i
 
     from transformers import AutoModelForCausalLM
 
-    from ..models.builtin import is_builtin, save_pretrained_dir
+    from ..models.builtin import build_model, is_builtin
 
     path = name_or_path
     if is_builtin(name_or_path):
         tmp = Path(scratch or tempfile.mkdtemp(prefix="hfscale-qlora-base-"))
         if not (tmp / "config.json").is_file():
-            save_pretrained_dir(name_or_path, tmp, seed=seed)
+            write_weights(build_model(name_or_path, seed=seed), tmp)
         path = str(tmp)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(compute_dtype, storage_dtype),
@@ -266,6 +267,20 @@ def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: i
             shutil.rmtree(tmp, ignore_errors=True)
     model.config.name_or_path = name_or_path
     return model
+
+
+def write_weights(model, directory) -> Path:
+    """config.json + model.safetensors of `model`, written by this process whatever its rank (transformers'
+    save_pretrained writes on global rank 0 only), for a from_pretrained of this rank's own."""
+    from pathlib import Path
+
+    from safetensors.torch import save_model
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(directory / "config.json")
+    save_model(model, str(directory / "model.safetensors"))  # tied tensors once
+    return directory
 
 
 def nf4_bytes(model) -> int:
