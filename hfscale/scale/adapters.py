@@ -225,17 +225,22 @@ def bnb_config(compute_dtype, storage_dtype):
 def qlora_dtypes(precision: str, zero_stage: int | None, fsdp: bool):
     """(compute dtype, storage dtype) of an NF4 base for a launch: DeepSpeed casts its module to the run's 16-bit
     dtype, so there the non-quantized weights are in it (elsewhere fp32, autocast computing in 16 bits); ZeRO-3
-    partitions every parameter as one dtype, so the packed bytes are stored in the module's dtype (peft's docs;
-    hfscale doctor's qlora-zero3-storage), uint8 otherwise. FSDP2 is refused: one line naming the way out."""
+    partitions every parameter as one dtype, so there the packed bytes would be stored in the module's dtype (peft's
+    docs; hfscale doctor's qlora-zero3-storage), uint8 otherwise. ZeRO-3 and FSDP2 are refused: one line naming the
+    way out. ZeRO-3 ran (2 CPU ranks, bf16 storage, zero.Init) and trained, but the frozen NF4 weights moved between
+    its checkpoints (measured, tests/test_adapters.py's refusal names it), so it is refused rather than trusted."""
     import torch
 
     if fsdp:
         raise ConfigError("a 4-bit (QLoRA) base under FSDP2 has not run here (uint8 storage trains to loss 0 / NaN, "
                           "accelerate #3983); launch with accelerate_configs/zero3.yaml (sharded NF4 base) or ddp.yaml, "
                           "or use --adapter lora under FSDP2")
+    if zero_stage == 3:
+        raise ConfigError("a 4-bit (QLoRA) base under ZeRO-3 changed during training here (bitsandbytes 0.50, DeepSpeed "
+                          "0.19, CPU: the packed NF4 weights of the frozen base differed between checkpoints); launch with "
+                          "accelerate_configs/ddp.yaml or zero2.yaml, or use --adapter lora under ZeRO-3")
     ds16 = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if zero_stage is not None else None
-    compute = ds16 or torch.float32
-    return compute, compute if zero_stage == 3 else torch.uint8
+    return ds16 or torch.float32, torch.uint8
 
 
 def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: int = 0, scratch=None, device_map=None):
