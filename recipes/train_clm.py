@@ -186,28 +186,31 @@ def train(cfg, force, pre, parallel, store) -> int:
 
 
 def build_base(cfg, spec, pre, accelerator):
-    """The model (the frozen base an adapter trains on): as build_model gives it (ZeRO-3: partitioned by zero.Init), or
-    (QLoRA) with NF4 decoder linears stored in the dtype the launch's engine shards (hfscale.scale.adapters.qlora_dtypes;
-    FSDP2 refused before this, in check_adapter), loaded under zero.Init too on ZeRO-3 (a built-in name is first
-    written whole, seeded, to a directory of this rank's: transformers quantizes on from_pretrained only)."""
+    """The model; for an adapter, the frozen base it trains on. A built-in name's (random, seeded) base is written whole
+    by every rank to a directory of its own and loaded from there: under ZeRO-3 zero.Init would draw another random
+    init than build_model, the base the adapter is merged into at the end, and transformers quantizes (QLoRA: NF4
+    decoder linears, stored as hfscale.scale.adapters.qlora_dtypes says) on from_pretrained only. Loads run under
+    ZeRO-3's zero.Init (partitioned); ZeRO-3 and FSDP2 QLoRA are refused before this (check_adapter)."""
     import tempfile
 
     from hfscale.models import build_model
-
-    if spec.base_bits == 16:
-        return build_model(cfg.model, seed=cfg.seed)
     from hfscale.models.builtin import is_builtin
     from hfscale.scale.adapters import load_quantized_base, write_weights
     from hfscale.scale.runtime import without_zero_init
 
-    compute, storage = qlora_dtypes_of(pre)
-    device_map = "cpu" if pre.launch.on_cpu and pre.launch.deepspeed is None else None  # DeepSpeed places it itself
+    if not spec.enabled:
+        return build_model(cfg.model, seed=cfg.seed)
     with tempfile.TemporaryDirectory(prefix="hfscale-base-") as tmp:
         path = cfg.model
         if is_builtin(cfg.model):
             with without_zero_init(accelerator):
                 path = str(write_weights(build_model(cfg.model, seed=cfg.seed), tmp))
-        model = load_quantized_base(path, compute, storage, device_map=device_map)
+        if spec.base_bits == 16:
+            model = build_model(path)
+        else:
+            compute, storage = qlora_dtypes_of(pre)
+            device_map = "cpu" if pre.launch.on_cpu and pre.launch.deepspeed is None else None  # DeepSpeed places it
+            model = load_quantized_base(path, compute, storage, device_map=device_map)
     model.config.name_or_path = cfg.model
     return model
 
