@@ -800,11 +800,10 @@ def assert_adapter_run(out: Path, log: str, kind: str, quantized: bool = False):
     expected = {}  # every adapter tensor of every decoder linear, with its full shape
     for name, m in fresh.named_modules():
         if hasattr(m, "lora_A") and "default" in m.lora_A:
-            stem = name.replace("base_model.model.", "base_model.model.", 1)
-            expected[f"{stem}.lora_A.weight"] = (8, m.in_features)
-            expected[f"{stem}.lora_B.weight"] = (m.out_features, 8)
+            expected[f"{name}.lora_A.weight"] = (8, m.in_features)  # peft's file names drop the adapter's name
+            expected[f"{name}.lora_B.weight"] = (m.out_features, 8)
             if kind == "dora":
-                expected[f"{stem}.lora_magnitude_vector"] = (m.out_features,)
+                expected[f"{name}.lora_magnitude_vector"] = (m.out_features,)
     assert len(expected) == 4 * 7 * (3 if kind == "dora" else 2)
     with safe_open(str(out / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
         assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == expected

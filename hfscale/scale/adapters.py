@@ -7,16 +7,18 @@
     ... train (plain loop, accelerate, Trainer) ...
     merged = merge_into_base(base_in_its_dtype, adapter_dir)   # never into a 4-bit base
 
-The spec is read by recipes/train_clm.py (`adapter:` in the recipe YAML, `--adapter lora ...`), the QAT recipe
-(hfscale.compress.qat.add_lora_) and the planner / doctor (`spec.rank`, `spec.base_bits`, `spec.targets`).
+The spec is read by recipes/train_clm.py (`adapter:` in the recipe YAML, `--adapter lora ...`) and the QAT recipe
+(hfscale.compress.qat.add_lora_); it is what the planner and doctor should read (`spec.rank`, `spec.base_bits`,
+`spec.targets`). It lives in scale/ (imports only util and models) so that train, compress, plan and doctor can all
+import it without a cycle (tests/test_layout.py).
 
-Targets: by default every decoder linear (q/k/v/o/gate/up/down), named one by one from the model's modules, so Gemma 4's per-layer-embedding projections (per_layer_input_gate,
-per_layer_projection, per_layer_model_projection), its MoE router (router.proj) and the lm_head never get an
-adapter (the adapter_config.json holds one regex of
-the exact names), and the vision / audio towers only with `towers=True`; there Gemma 4's Gemma4ClippableLinear (an
-nn.Module around an nn.Linear, which peft rejects: peft #3129) is adapted through its inner `.linear`, keeping
-the clipping around it. Tied embeddings stay tied (peft's ensure_weight_tying; modules_to_save would untie
-them, peft #1750).
+Targets: by default every decoder linear (q/k/v/o/gate/up/down), named one by one from the model's modules (the
+adapter_config.json holds one regex of the exact names), so Gemma 4's per-layer-embedding projections
+(per_layer_input_gate, per_layer_projection, per_layer_model_projection), its MoE router (router.proj) and the lm_head
+never get an adapter, and the vision / audio towers only with `towers=True`; there Gemma 4's Gemma4ClippableLinear
+(an nn.Module around an nn.Linear, which peft rejects: peft #3129) is adapted through its inner `.linear`, keeping
+the clipping around it. Tied embeddings stay tied (peft's ensure_weight_tying; modules_to_save would untie them,
+peft #1750). Ran on CPU only (docs/adapters.md: which engine and kind ran).
 """
 
 from __future__ import annotations
@@ -204,11 +206,6 @@ def adapter_param_groups(model, spec: AdapterSpec, lr: float, weight_decay: floa
     return [g for g in groups if g["params"]]
 
 
-def adapter_names(model) -> list[str]:
-    """Names of the parameters the adapter trains (peft's naming, `base_model.model.` prefix included)."""
-    return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
 # --- QLoRA's base ------------------------------------------------------------------------------------
 
 def bnb_config(compute_dtype, storage_dtype):
@@ -249,7 +246,6 @@ def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: i
     directory, removed after) and loaded from there: transformers quantizes on from_pretrained only. `device_map`:
     "cpu" on CPU hosts (bitsandbytes quantizes there), None under DeepSpeed / accelerate on GPUs."""
     import tempfile
-    from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
@@ -277,8 +273,6 @@ def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: i
 def write_weights(model, directory) -> Path:
     """config.json + model.safetensors of `model`, written by this process whatever its rank (transformers'
     save_pretrained writes on global rank 0 only), for a from_pretrained of this rank's own."""
-    from pathlib import Path
-
     from safetensors.torch import save_model
 
     directory = Path(directory)
