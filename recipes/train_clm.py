@@ -13,6 +13,11 @@ Every setting lives in hfscale.train.config.TrainConfig; a recipe YAML sets them
 overrides one (`--seq-len 256`). The run writes OUTPUT_DIR/metrics.jsonl (one line per step and
 per evaluation), OUTPUT_DIR/checkpoints/step_N (accelerate state, last K kept) and finally
 OUTPUT_DIR/model, a transformers directory that `from_pretrained` loads.
+
+Adapters (hfscale.scale.adapters): `--adapter lora|dora|qlora --lora-rank 16` (or `adapter: {kind: lora, rank: 16}`
+in the YAML) trains low-rank adapters on every decoder linear of a frozen base (QLoRA: an NF4 base, bitsandbytes);
+the run then also writes OUTPUT_DIR/adapter (a peft directory) and OUTPUT_DIR/model is the adapter merged into the
+base reloaded in its own dtype, which quantize / GGUF / .pte / prune / eval take unchanged.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def main(argv=None) -> int:
 
         cfg = load_recipe(config_path, overrides)
         pre = preflight(cfg, force, source=config_path)
+        check_adapter(cfg, pre)
         parallel = check_parallel(cfg, pre)
         store = prepare_data(pre, rank)
     except HfscaleError as e:
@@ -97,7 +103,8 @@ def train(cfg, force, pre, parallel, store) -> int:
     from hfscale.data.recipe import run_datasets
     from hfscale.train.loop import evaluate, lm_loss, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
-    from hfscale.train.state import model_fingerprint, save_final
+    from hfscale.scale.adapters import adapter_param_groups, apply_adapter
+    from hfscale.train.state import model_fingerprint, save_final, save_final_adapter
     from hfscale.data.sampler import data_parallel
 
     # under SP the ranks of one group read the same rows: the batch plan counts groups (hfscale.data.sampler)
@@ -122,8 +129,9 @@ def train(cfg, force, pre, parallel, store) -> int:
     reader = StepReader(train_rows, plan, cfg.seed)
     val_batches = MicroBatches(val_rows, plan.micro_batch)
 
-    # --- model ---
-    model = build_model(cfg.model, seed=cfg.seed)
+    # --- model: the base (NF4 for QLoRA), checkpointing and the levers on it, then the adapter (base frozen) ---
+    spec = cfg.adapter_spec
+    model = build_base(cfg, spec, pre, accelerator)
     loss_fn = lm_loss
     if parallel.sp > 1:  # Ulysses wraps the kernel the model runs: the same one, window-aware where it is sdpa
         from deepspeed.utils import groups
@@ -135,20 +143,24 @@ def train(cfg, force, pre, parallel, store) -> int:
             use_window_sdpa()
     layers = apply_checkpointing_(model, cfg.checkpointing, pre.launch.fsdp_checkpoints_all)
     levers = apply_levers_(model, cfg.levers)  # long context: tiled loss / MLP / RMSNorm (docs/long_context.md)
-    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw=cfg.adamw)
+    model = apply_adapter(model, spec)  # a peft model: only the adapters train (non-reentrant checkpointing needs no input grads)
+    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
+                               params=adapter_param_groups(model, spec, cfg.lr, cfg.weight_decay) if spec.enabled else None)
     with per_layer_heads(model):  # Ulysses on layers of different head shapes (Gemma 4); else nothing
         model, optimizer = accelerator.prepare(model, optimizer)
     if parallel.sp > 1:
         loss_fn = sp_lm_loss(groups._get_sequence_parallel_group(), tiled=bool(cfg.tiled_loss))
     loss_fn = with_levers(loss_fn, cfg.levers, model)  # activation offload around the forward
     if main_rank:
-        print(f"[train_clm] {cfg.model}: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} params, "
+        trained = sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad)
+        print(f"[train_clm] {cfg.model}: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} params"
+              + (f" ({spec.describe()}: {trained:,} trained)" if spec.enabled else "") + ", "
               f"{len(train_rows):,} train / {len(val_rows)} eval rows, checkpointed layers {layers or 'none'}, "
               f"AdamW {adamw_impl(optimizer)}"
               + (f"; {', '.join(levers)}" if levers else ""))
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
-    meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config), "world": plan.world,
+    meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config, spec), "world": plan.world,
             "tokens_per_step": plan.tokens_per_step, "data_key": store.key}
 
     # --- train ---
@@ -158,12 +170,70 @@ def train(cfg, force, pre, parallel, store) -> int:
     # --- evaluate and save ---
     ev = evaluate(model, accelerator, val_batches, plan.micro_batch)
     log.write({"kind": "eval", "step": cfg.max_steps, "loss": ev, "ppl": math.exp(ev), "final": True})
-    saved = save_final(accelerator, model, tokenizer, out / "model")
-    if main_rank:
-        print(f"[train_clm] eval loss {ev:.4f} (ppl {math.exp(ev):.2f}); saved {saved['path']}: "
-              f"{saved['numel']:,} parameter elements (model {saved['model_numel']:,}), {saved['bytes'] / 1e6:.1f} MB")
+    if spec.enabled:  # the adapter, and merged into the base reloaded in its own dtype (never at 4 bits)
+        saved = save_final_adapter(accelerator, model, tokenizer, out, lambda: build_model(cfg.model, seed=cfg.seed))
+        if main_rank:
+            print(f"[train_clm] eval loss {ev:.4f} (ppl {math.exp(ev):.2f}); saved {saved['adapter']}: {saved['numel']:,} "
+                  f"adapter elements, {saved['bytes'] / 1e6:.2f} MB; merged into the base: {saved['path']}, "
+                  f"{saved['model_numel']:,} parameter elements")
+    else:
+        saved = save_final(accelerator, model, tokenizer, out / "model")
+        if main_rank:
+            print(f"[train_clm] eval loss {ev:.4f} (ppl {math.exp(ev):.2f}); saved {saved['path']}: "
+                  f"{saved['numel']:,} parameter elements (model {saved['model_numel']:,}), {saved['bytes'] / 1e6:.1f} MB")
     accelerator.end_training()
     return 0
+
+
+def build_base(cfg, spec, pre, accelerator):
+    """The model; for an adapter, the frozen base it trains on. A built-in name's (random, seeded) base is written whole
+    by every rank to a directory of its own and loaded from there: under ZeRO-3 zero.Init would draw another random
+    init than build_model, the base the adapter is merged into at the end, and transformers quantizes (QLoRA: NF4
+    decoder linears, stored as hfscale.scale.adapters.qlora_dtypes says) on from_pretrained only. Loads run under
+    ZeRO-3's zero.Init (partitioned); ZeRO-3 and FSDP2 QLoRA are refused before this (check_adapter)."""
+    import tempfile
+
+    from hfscale.models import build_model
+    from hfscale.models.builtin import is_builtin
+    from hfscale.scale.adapters import load_quantized_base, write_weights
+    from hfscale.scale.runtime import without_zero_init
+
+    if not spec.enabled:
+        return build_model(cfg.model, seed=cfg.seed)
+    with tempfile.TemporaryDirectory(prefix="hfscale-base-") as tmp:
+        path = cfg.model
+        if is_builtin(cfg.model):
+            with without_zero_init(accelerator):
+                path = str(write_weights(build_model(cfg.model, seed=cfg.seed), tmp))
+        if spec.base_bits == 16:
+            model = build_model(path)
+        else:
+            compute, storage = qlora_dtypes_of(pre)
+            device_map = "cpu" if pre.launch.on_cpu and pre.launch.deepspeed is None else None  # DeepSpeed places it
+            model = load_quantized_base(path, compute, storage, device_map=device_map)
+    model.config.name_or_path = cfg.model
+    return model
+
+
+def qlora_dtypes_of(pre):
+    from hfscale.scale.adapters import qlora_dtypes
+
+    ds = pre.launch.deepspeed
+    zero = (ds or {}).get("zero_optimization", {}).get("stage", 0) if ds is not None else None
+    return qlora_dtypes(pre.precision.precision, zero, pre.launch.fsdp)
+
+
+def check_adapter(cfg, pre) -> None:
+    """Before any process group: what this launch cannot do with the adapter, one line each."""
+    spec = cfg.adapter_spec
+    if spec.changes_base:
+        from hfscale.util.errors import ConfigError
+
+        raise ConfigError(f"lora_init {spec.init} rewrites the base weights, and train_clm merges the adapter into the base "
+                          "it reloads; use lora_init default or gaussian here, or hfscale.scale.adapters.apply_adapter in "
+                          "your own loop")
+    if spec.base_bits == 4:
+        qlora_dtypes_of(pre)
 
 
 if __name__ == "__main__":  # every rank ends through exit_rank: no interpreter finalization to race gloo's threads

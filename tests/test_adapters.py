@@ -124,3 +124,61 @@ def test_merge_equals_live_adapter(kind):
         merged = merge_live(pm)(input_ids=ids).logits
     assert (live - plain).abs().max() > 1e-2  # the adapter changes the output
     assert torch.allclose(merged, live, atol=1e-4, rtol=1e-4)
+
+
+def test_recipe_adapter_settings(tmp_path):
+    from hfscale.train.config import QATRecipeConfig, load_recipe
+
+    y = tmp_path / "r.yaml"
+    y.write_text("adapter: {kind: dora, rank: 4, alpha: 4, targets: [q_proj, v_proj], lora_plus_ratio: 16}\n")
+    spec = load_recipe(str(y)).adapter_spec
+    assert (spec.kind, spec.rank, spec.alpha, spec.targets, spec.lora_plus_ratio) == ("dora", 4, 4.0, ("q_proj", "v_proj"), 16)
+    assert load_recipe(None, {"adapter": "qlora", "lora_rank": "8"}).adapter_spec.base_bits == 4
+    assert not load_recipe(None, {}).adapter_spec.enabled
+    for values, needle in [({"lora_rank": "8"}, "--lora-rank set without an adapter; add --adapter lora"),
+                           ({"adapter": "qlora", "lora_init": "pissa"}, "init default with qlora")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_recipe(None, values)
+    y.write_text("adapter: {kind: lora, rnak: 4}\n")
+    with pytest.raises(ConfigError, match="did you mean 'rank'"):
+        load_recipe(str(y))
+    with pytest.raises(ConfigError, match="qat_clm trains LoRA on the fake-quantized base with --lora-rank"):
+        load_recipe(None, {"adapter": "lora"}, cls=QATRecipeConfig)
+
+
+@pytest.mark.parametrize("zero,fsdp,needle", [(3, False, "zero2.yaml"), (None, True, "--adapter lora under FSDP2")])
+def test_qlora_engines_that_cannot_hold_the_base_are_refused(zero, fsdp, needle):
+    from hfscale.scale.adapters import qlora_dtypes
+
+    with pytest.raises(ConfigError, match=needle):
+        qlora_dtypes("bf16", zero, fsdp)
+    assert qlora_dtypes("bf16", 2, False) == (torch.bfloat16, torch.uint8)  # DeepSpeed casts the module; packed bytes stay
+    assert qlora_dtypes("bf16", None, False) == (torch.float32, torch.uint8)  # DDP: fp32 weights, autocast computes
+
+
+def test_qlora_base_is_nf4_and_merges_into_the_unquantized_base(tmp_path):
+    """bitsandbytes quantizes and runs forward and backward on this CPU; the adapter saved from the NF4 base merges
+    into the fp32 base (merging into the 4-bit one is refused)."""
+    from hfscale.scale.adapters import load_quantized_base, merge_into_base, nf4_bytes
+
+    q = load_quantized_base("tiny-gemma3", torch.float32, torch.uint8, device_map="cpu")
+    # NF4: 4 bits per weight of the 28 decoder linears (4 x 552,960 = 2,211,840 weights -> 1,105,920 bytes), one absmax
+    # per 64 weights double-quantized to 8 bits (34,560 bytes) with an fp32 scale per 256 of those (~540 bytes):
+    # 1,141,020 analytic; measured 1,141,184 (the per-module rounding of blocks and offsets: +0.014%)
+    n = 4 * (2 * 192 * 192 + 2 * 96 * 192 + 3 * 768 * 192)
+    analytic = n // 2 + n // 64 + n // 64 // 256 * 4
+    assert abs(nf4_bytes(q) / analytic - 1) < 0.01
+    pm = apply_adapter(q, AdapterSpec("qlora", rank=4))
+    ids = torch.randint(3, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+    pm(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in pm.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    pm.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ConfigError, match="unquantized base"):
+        merge_into_base(load_quantized_base("tiny-gemma3", torch.float32, torch.uint8, device_map="cpu"), tmp_path / "adapter")
+    merged = merge_into_base(tiny(), tmp_path / "adapter")
+    assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, tiny().model.layers[0].self_attn.q_proj.weight)

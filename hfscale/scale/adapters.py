@@ -7,21 +7,24 @@
     ... train (plain loop, accelerate, Trainer) ...
     merged = merge_into_base(base_in_its_dtype, adapter_dir)   # never into a 4-bit base
 
-The spec is read by recipes/train_clm.py (`adapter:` in the recipe YAML, `--adapter lora ...`), the QAT recipe
-(hfscale.compress.qat.add_lora_) and the planner / doctor (`spec.rank`, `spec.base_bits`, `spec.targets`).
+The spec is read by recipes/train_clm.py (`adapter:` in the recipe YAML, `--adapter lora ...`) and the QAT recipe
+(hfscale.compress.qat.add_lora_); it is what the planner and doctor should read (`spec.rank`, `spec.base_bits`,
+`spec.targets`). It lives in scale/ (imports only util and models) so that train, compress, plan and doctor can all
+import it without a cycle (tests/test_layout.py).
 
-Targets: by default every decoder linear (q/k/v/o/gate/up/down), named one by one from the model's modules, so Gemma 4's per-layer-embedding projections (per_layer_input_gate,
-per_layer_projection, per_layer_model_projection), its MoE router (router.proj) and the lm_head never get an
-adapter (the adapter_config.json holds one regex of
-the exact names), and the vision / audio towers only with `towers=True`; there Gemma 4's Gemma4ClippableLinear (an
-nn.Module around an nn.Linear, which peft rejects: peft #3129) is adapted through its inner `.linear`, keeping
-the clipping around it. Tied embeddings stay tied (peft's ensure_weight_tying; modules_to_save would untie
-them, peft #1750).
+Targets: by default every decoder linear (q/k/v/o/gate/up/down), named one by one from the model's modules (the
+adapter_config.json holds one regex of the exact names), so Gemma 4's per-layer-embedding projections
+(per_layer_input_gate, per_layer_projection, per_layer_model_projection), its MoE router (router.proj) and the lm_head
+never get an adapter, and the vision / audio towers only with `towers=True`; there Gemma 4's Gemma4ClippableLinear
+(an nn.Module around an nn.Linear, which peft rejects: peft #3129) is adapted through its inner `.linear`, keeping
+the clipping around it. Tied embeddings stay tied (peft's ensure_weight_tying; modules_to_save would untie them,
+peft #1750). Ran on CPU only (docs/adapters.md: which engine and kind ran).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from dataclasses import dataclass, fields
 
 from ..util.errors import ConfigError
@@ -32,6 +35,7 @@ DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 # peft's init_lora_weights values offered here: default (A Kaiming-uniform, B zero: the model starts unchanged),
 # gaussian (A normal), pissa / olora (A, B from the base's SVD / QR, the base keeps the residual: the base changes)
 INITS = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
+NAMES = {"none": "full", "lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA"}
 TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector")
 
 
@@ -109,7 +113,7 @@ class AdapterSpec:
             [f"LoRA+ x{self.lora_plus_ratio:g}"] if self.lora_plus_ratio != 1 else []) + (
             [f"init {self.init}"] if self.init != "default" else []) + (
             [f"{len(self.trainable_tokens)} trainable tokens"] if self.trainable_tokens else [])
-        return f"{self.kind.upper() if self.kind != 'qlora' else 'QLoRA'} r{self.rank} ({', '.join(extras)})"
+        return f"{NAMES[self.kind]} r{self.rank} ({', '.join(extras)})"
 
     def to_dict(self) -> dict:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
@@ -202,11 +206,6 @@ def adapter_param_groups(model, spec: AdapterSpec, lr: float, weight_decay: floa
     return [g for g in groups if g["params"]]
 
 
-def adapter_names(model) -> list[str]:
-    """Names of the parameters the adapter trains (peft's naming, `base_model.model.` prefix included)."""
-    return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
 # --- QLoRA's base ------------------------------------------------------------------------------------
 
 def bnb_config(compute_dtype, storage_dtype):
@@ -220,34 +219,67 @@ def bnb_config(compute_dtype, storage_dtype):
                               bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage_dtype)
 
 
-def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: int = 0, scratch=None):
+def qlora_dtypes(precision: str, zero_stage: int | None, fsdp: bool):
+    """(compute dtype, storage dtype) of an NF4 base for a launch: DeepSpeed casts its module to the run's 16-bit
+    dtype, so there the non-quantized weights are in it (elsewhere fp32, autocast computing in 16 bits); ZeRO-3
+    partitions every parameter as one dtype, so there the packed bytes would be stored in the module's dtype (peft's
+    docs; hfscale doctor's qlora-zero3-storage), uint8 otherwise. ZeRO-3 and FSDP2 are refused: one line naming the
+    way out. ZeRO-3 ran (2 CPU ranks, bf16 storage, zero.Init) and trained, but the frozen NF4 weights moved between
+    its checkpoints (measured, tests/test_adapters.py's refusal names it), so it is refused rather than trusted."""
+    import torch
+
+    if fsdp:
+        raise ConfigError("a 4-bit (QLoRA) base under FSDP2 has not run here (uint8 storage trains to loss 0 / NaN, "
+                          "accelerate #3983); launch with accelerate_configs/zero3.yaml (sharded NF4 base) or ddp.yaml, "
+                          "or use --adapter lora under FSDP2")
+    if zero_stage == 3:
+        raise ConfigError("a 4-bit (QLoRA) base under ZeRO-3 changed during training here (bitsandbytes 0.50, DeepSpeed "
+                          "0.19, CPU: the packed NF4 weights of the frozen base differed between checkpoints); launch with "
+                          "accelerate_configs/ddp.yaml or zero2.yaml, or use --adapter lora under ZeRO-3")
+    ds16 = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if zero_stage is not None else None
+    return ds16 or torch.float32, torch.uint8
+
+
+def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: int = 0, scratch=None, device_map=None):
     """The causal LM with NF4 decoder linears (bitsandbytes; embeddings, norms and lm_head stay in compute_dtype).
-    A built-in name is written once (seeded, the same weights build_model gives) to `scratch` and loaded from there:
-    transformers quantizes on from_pretrained only."""
+    A built-in name is written (seeded, the same weights build_model gives) to `scratch` (default: a temporary
+    directory, removed after) and loaded from there: transformers quantizes on from_pretrained only. `device_map`:
+    "cpu" on CPU hosts (bitsandbytes quantizes there), None under DeepSpeed / accelerate on GPUs."""
     import tempfile
-    from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    from ..models.builtin import is_builtin, save_pretrained_dir
+    from ..models.builtin import build_model, is_builtin
 
     path = name_or_path
     if is_builtin(name_or_path):
         tmp = Path(scratch or tempfile.mkdtemp(prefix="hfscale-qlora-base-"))
         if not (tmp / "config.json").is_file():
-            save_pretrained_dir(name_or_path, tmp, seed=seed)
+            write_weights(build_model(name_or_path, seed=seed), tmp)
         path = str(tmp)
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(compute_dtype, storage_dtype),
-                                                 dtype=compute_dtype, device_map="cpu" if _on_cpu() else None,
-                                                 use_safetensors=True, trust_remote_code=False)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(compute_dtype, storage_dtype),
+                                                     dtype=compute_dtype, device_map=device_map, use_safetensors=True,
+                                                     trust_remote_code=False)
+    finally:
+        if is_builtin(name_or_path) and scratch is None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
     model.config.name_or_path = name_or_path
     return model
 
 
-def _on_cpu() -> bool:
-    import torch
+def write_weights(model, directory) -> Path:
+    """config.json + model.safetensors of `model`, written by this process whatever its rank (transformers'
+    save_pretrained writes on global rank 0 only), for a from_pretrained of this rank's own."""
+    from safetensors.torch import save_model
 
-    return not torch.cuda.is_available()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(directory / "config.json")
+    save_model(model, str(directory / "model.safetensors"))  # tied tensors once
+    return directory
 
 
 def nf4_bytes(model) -> int:

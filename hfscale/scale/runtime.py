@@ -4,6 +4,7 @@ the TrainingArguments keywords."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from .spec import ScaleSpec
@@ -20,6 +21,7 @@ class LaunchView:
     precision: str  # what the launch config says: bf16 | fp16 | fp32
     on_cpu: bool
     fsdp_checkpoints_all: bool = False  # FSDP with fsdp_activation_checkpointing: accelerate wraps every layer at prepare
+    fsdp: bool = False  # an FSDP launch (ACCELERATE_USE_FSDP)
 
 
 def read_launch(environ) -> LaunchView:
@@ -41,9 +43,9 @@ def read_launch(environ) -> LaunchView:
     if precision not in ("bf16", "fp16", "fp32"):
         precision = "fp32"
     on_cpu = environ.get("ACCELERATE_USE_CPU", "false").lower() == "true" or not torch.cuda.is_available()
-    fsdp_ac = (environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-               and environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true")
-    return LaunchView(world, ds_file, ds, precision, on_cpu, fsdp_ac)
+    fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    fsdp_ac = fsdp and environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+    return LaunchView(world, ds_file, ds, precision, on_cpu, fsdp_ac, fsdp)
 
 
 def cpu_only_host() -> bool:
@@ -118,6 +120,24 @@ def make_accelerator(precision: str | None = None, **kwargs):
     end_process_group_at_exit()
     hold_process_groups()
     return accelerator
+
+
+@contextlib.contextmanager
+def without_zero_init(accelerator):
+    """Models built inside are whole (not partitioned by ZeRO-3's zero.Init, a collective): for what one rank builds
+    alone, e.g. the base an adapter is merged into on the main rank. accelerate's zero3_init_context_manager leaves
+    transformers' config registered (accelerate 1.16), so this unsets it and registers it again after."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or not plugin.zero3_init_flag:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def exit_rank(code: int | None):
@@ -300,15 +320,16 @@ def set_deepspeed_micro_batch(accelerator, micro_batch: int) -> None:
 
 
 def make_optimizer(accelerator, model, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                   adamw: str = "fused"):
+                   adamw: str = "fused", params=None):
     """AdamW for plain accelerate loops, running the implementation `hfscale plan` assumes (`adamw`, default
     fused: hfscale.scale.optim; name it with `hfscale.scale.optim.adamw_impl(optimizer)`). If the DeepSpeed
     config declares an optimizer (hfscale does for offload, so DeepSpeed's CPU Adam is used) this returns the
-    `DummyOptim` accelerate needs, and DeepSpeed's optimizer runs (the plan models it as in place)."""
+    `DummyOptim` accelerate needs, and DeepSpeed's optimizer runs (the plan models it as in place).
+    `params`: parameter groups to use instead (LoRA+: hfscale.scale.adapters.adapter_param_groups)."""
     from .optim import build_adamw, check_adamw
 
     check_adamw(adamw)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None and "optimizer" in plugin.deepspeed_config:
         from accelerate.utils import DummyOptim  # exported only where DeepSpeed is installed (hfscale[deepspeed])

@@ -10,6 +10,10 @@ from pathlib import Path
 from ..util.errors import ConfigError, HfscaleError, first_line
 
 
+LORA_DEFAULTS = {"lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0, "lora_targets": None, "lora_rslora": False,
+                 "lora_plus_ratio": 1.0, "lora_init": "default"}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: str = "tiny-gemma3"  # built-in name, local transformers dir, or hub name (online)
@@ -58,6 +62,16 @@ class TrainConfig:
     tiled_mlp: int = 0
     offload_activations: bool = False
     tiled_norm: int = 0
+    # adapters (hfscale.scale.adapters; docs/adapters.md): none trains every parameter; lora | dora | qlora (NF4 base)
+    # train low-rank adapters on a frozen base. In a recipe YAML also a mapping: adapter: {kind: lora, rank: 16, ...}
+    adapter: str = "none"
+    lora_rank: int | None = None  # default 16
+    lora_alpha: float | None = None  # default 2 x rank
+    lora_dropout: float = 0.0
+    lora_targets: str | None = None  # comma-separated leaf names; default every decoder linear (q/k/v/o/gate/up/down)
+    lora_rslora: bool = False
+    lora_plus_ratio: float = 1.0
+    lora_init: str = "default"  # default | gaussian | pissa | olora
     extra: dict = field(default_factory=dict, compare=False)  # recipe YAML notes (ignored)
 
     def __post_init__(self):
@@ -86,6 +100,7 @@ class TrainConfig:
         if self.precision not in PRECISION_CHOICES:
             raise ConfigError(f"precision {self.precision!r} not understood; use one of {', '.join(PRECISION_CHOICES)}")
         self.levers.check(self.seq_len, self.checkpointing)
+        self.adapter_spec  # noqa: B018 - validated here, with the rest
         self.data_options  # noqa: B018 - validated here, with the rest
 
     @property
@@ -95,6 +110,21 @@ class TrainConfig:
 
         return DataOptions(self.seq_len, self.format, self.train_on, self.packing, self.overflow, self.validation,
                            self.heldout)
+
+    @property
+    def adapter_spec(self):
+        """The adapter settings as one validated hfscale.scale.adapters.AdapterSpec."""
+        from ..scale.adapters import DECODER_LINEARS, AdapterSpec
+
+        targets = self.lora_targets if self.lora_targets else DECODER_LINEARS
+        if self.adapter == "none":
+            given = [f"--{k.replace('_', '-')}" for k, default in LORA_DEFAULTS.items() if getattr(self, k) != default]
+            if given:
+                raise ConfigError(f"{', '.join(given)} set without an adapter; add --adapter lora (or dora, qlora), or "
+                                  "drop them to train every parameter")
+            return AdapterSpec()
+        return AdapterSpec(self.adapter, 16 if self.lora_rank is None else self.lora_rank, self.lora_alpha, self.lora_dropout, targets,
+                           rslora=self.lora_rslora, lora_plus_ratio=self.lora_plus_ratio, init=self.lora_init)
 
     @property
     def levers(self):
@@ -127,6 +157,16 @@ class QATRecipeConfig(TrainConfig):
             raise ConfigError(f"distill must be in [0, 1] (got {self.distill}): the weight of the teacher's KL term")
         if self.lora_rank < 0 or not self.temperature > 0:
             raise ConfigError("lora_rank must be >= 0 and temperature > 0")
+        if self.adapter != "none":
+            raise ConfigError(f"qat_clm trains LoRA on the fake-quantized base with --lora-rank N (got adapter "
+                              f"{self.adapter}); drop adapter / --adapter")
+
+    @property
+    def adapter_spec(self):
+        """None here: qat_clm applies its LoRA itself (compress.qat.add_lora_, through hfscale.scale.adapters)."""
+        from ..scale.adapters import AdapterSpec
+
+        return AdapterSpec()
 
 
 def fields_of(cls=TrainConfig) -> dict:
@@ -181,6 +221,8 @@ def load_recipe(path: str | None, overrides: dict | None = None, cls=TrainConfig
         values.update(loaded)
     if isinstance(values.get("data"), (dict, list)):
         values.update(data_section(values["data"], path))
+    if isinstance(values.get("adapter"), dict):
+        values.update(adapter_section(values["adapter"], path))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     fields = fields_of(cls)
     for key in values:
@@ -206,6 +248,26 @@ def data_section(section, path) -> dict:
     sources = parse_sources(section["sources"])
     out = {k: section[k] for k in DATA_KEYS if k in section}
     out["data"] = ",".join(f"{s.path}:{s.weight:g}" if s.weight != 1 else s.path for s in sources)
+    return out
+
+
+# the YAML's adapter: keys -> the flat settings (--lora-rank ... on the command line)
+ADAPTER_KEYS = {"kind": "adapter", "rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
+                "targets": "lora_targets", "rslora": "lora_rslora", "lora_plus_ratio": "lora_plus_ratio", "init": "lora_init"}
+
+
+def adapter_section(section: dict, path) -> dict:
+    """A YAML `adapter:` mapping -> the flat settings; names checked by AdapterSpec.from_mapping's rules."""
+    unknown = sorted(set(section) - set(ADAPTER_KEYS))
+    if unknown:
+        import difflib
+
+        near = difflib.get_close_matches(str(unknown[0]), ADAPTER_KEYS, n=1)
+        raise ConfigError(f"{path}: adapter: unknown setting {unknown[0]!r}; "
+                          + (f"did you mean {near[0]!r}?" if near else f"use {', '.join(ADAPTER_KEYS)}"))
+    out = {ADAPTER_KEYS[k]: v for k, v in section.items()}
+    if isinstance(out.get("lora_targets"), (list, tuple)):
+        out["lora_targets"] = ",".join(out["lora_targets"])
     return out
 
 

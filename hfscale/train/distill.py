@@ -49,6 +49,9 @@ class DistillRecipeConfig(TrainConfig):
             raise ConfigError(f"ce_weight must be in [0, 1) (got {self.ce_weight}): the KL term gets 1 - ce_weight")
         if not self.temperature > 0:
             raise ConfigError(f"temperature must be > 0 (got {self.temperature})")
+        if self.adapter != "none":  # its recipe builds the student in full; an adapter would be silently ignored
+            raise ConfigError(f"distill_clm trains the whole student (got adapter {self.adapter}); drop --adapter, "
+                              "or fine-tune with adapters in recipes/train_clm.py")
         if self.teacher_placement not in TEACHER_PLACEMENTS:
             raise ConfigError(f"teacher_placement {self.teacher_placement!r} not understood; use one of "
                               + ", ".join(f"{k} ({v})" for k, v in TEACHER_PLACEMENTS.items()))

@@ -43,7 +43,7 @@ class Preflight:
 
 
 # what a run writes under OUTPUT_DIR (QAT adds the last two); --force replaces them
-RUN_OUTPUTS = ("checkpoints", "model", "metrics.jsonl", "recipe.json", "memory", "quantized", "quality.json")
+RUN_OUTPUTS = ("checkpoints", "model", "adapter", "metrics.jsonl", "recipe.json", "memory", "quantized", "quality.json")
 
 
 def check_run_outputs(cfg) -> None:
@@ -78,7 +78,7 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     plan = plan_batch(cfg.global_batch_tokens, cfg.seq_len, launch.world, cfg.micro_batch)
     ckpts = Checkpoints(cfg.output_dir, cfg.keep_last)
     # a resume of another model is refused first: the data check below loads the model's tokenizer
-    resume = ckpts.resolve(cfg.resume, model_fingerprint(model_config), plan.tokens_per_step)
+    resume = ckpts.resolve(cfg.resume, model_fingerprint(model_config, cfg.adapter_spec), plan.tokens_per_step)
     data = check_data(cfg.data, cfg.model, cfg.data_options, cache_root())  # missing files, bad options fail here
     if resume is not None and resume.meta.get("data_key", data.key) != data.key:
         raise HfscaleError(f"{resume.path} was trained on other data (token store key {resume.meta['data_key']}, this run's "
@@ -169,7 +169,7 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:
         if force and resume is None:
-            for old in (out / "checkpoints", out / "model", out / "metrics.jsonl", out / "memory"):
+            for old in (out / "checkpoints", out / "model", out / "adapter", out / "metrics.jsonl", out / "memory"):
                 shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
         gone = ckpts.clean_partial()
         out.mkdir(parents=True, exist_ok=True)

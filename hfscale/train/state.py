@@ -76,12 +76,16 @@ def damage(path: Path, meta: dict | None = None) -> str | None:
     return manifest.problem(path, files, exclude=(MARKER,))
 
 
-def model_fingerprint(config) -> dict:
-    """What must agree between a checkpoint and the model that resumes from it."""
+def model_fingerprint(config, adapter=None) -> dict:
+    """What must agree between a checkpoint and the model that resumes from it; with an adapter
+    (hfscale.scale.adapters.AdapterSpec) also its settings: another rank or target set is another set of tensors."""
     keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "intermediate_size")
     cfg = getattr(config, "text_config", None) or config
-    return {k: getattr(cfg, k, None) for k in keys}
+    out = {k: getattr(cfg, k, None) for k in keys}
+    if adapter is not None and adapter.enabled:
+        out["adapter"] = adapter.to_dict()
+    return out
 
 
 # Test seams, empty in production: each hook is called as hook(point, step, rank) at "step" (after an
@@ -148,8 +152,9 @@ class Checkpoints:
                                    "intact one, or another checkpoint")
         meta = json.loads((path / MARKER).read_text())
         if meta.get("model_fingerprint") != fingerprint:
-            diff = {k: (meta.get("model_fingerprint", {}).get(k), v) for k, v in fingerprint.items()
-                    if meta.get("model_fingerprint", {}).get(k) != v}
+            saved = meta.get("model_fingerprint", {})
+            diff = {k: (saved.get(k), fingerprint.get(k)) for k in {**saved, **fingerprint}
+                    if saved.get(k) != fingerprint.get(k)}
             raise HfscaleError(f"checkpoint {path} was saved from a different model ({diff} as saved vs now); "
                                "resume with the same --model or start a new --output-dir")
         saved_tokens = meta.get("tokens_per_step")
@@ -168,12 +173,15 @@ class Checkpoints:
         if done:
             files = json.loads((done[-1][1] / MARKER).read_text()).get("files")
             per = sum(v[0] for v in files.values()) if files else None
-        if per is None:  # fp32 weights + two fp32 Adam moments = 12 bytes/param; DeepSpeed adds its module's copy
-            from .reshape import engine_facts
+        if per is None:  # trained: fp32 weights + two fp32 Adam moments = 12 bytes/param; DeepSpeed adds its module's
+            from .reshape import engine_facts  # copy; a frozen base (adapters) is saved as its weights alone
 
             facts = engine_facts(accelerator)
             module = 0 if facts["engine"] != "deepspeed" else 2 if facts.get("precision") in ("bf16", "fp16") else 4
-            per = unique_numel(accelerator.unwrap_model(model)) * (12 + module)
+            unwrapped = accelerator.unwrap_model(model)
+            trained = sum(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters() if p.requires_grad)
+            frozen = unique_numel(unwrapped) - trained
+            per = trained * (12 + module) + frozen * (module or 4)
         held = sum(f.stat().st_size for _, d in done[-self.keep_last:] for f in d.rglob("*") if f.is_file())
         probe = self.root if self.root.exists() else self.root.parent
         free = shutil.disk_usage(probe).free
@@ -326,5 +334,66 @@ def save_final(accelerator, model, tokenizer, out: str | os.PathLike) -> dict:
                     "for ZeRO-3 set stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed JSON"
                 )
         result = {"path": str(out), "numel": numel, "model_numel": expected, "bytes": nbytes}
+    accelerator.wait_for_everyone()
+    return result
+
+
+def adapter_state(accelerator, model) -> dict:
+    """Collective. The trained (adapter) parameters, whole, on every rank: ZeRO-3 gathers them from their
+    partitions (a save of the partitioned tensors is the 40-byte adapter of trl #4416 / peft #2892), FSDP2 its
+    DTensor shards; DDP and ZeRO-1/2 hold them whole."""
+    unwrapped = accelerator.unwrap_model(model)
+    named = [(n, p) for n, p in unwrapped.named_parameters() if p.requires_grad]
+    if any(hasattr(p, "ds_id") for _, p in named):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {n: p.detach().float().cpu().clone() for n, p in named}
+    out = {}
+    for n, p in named:
+        t = p.detach()
+        out[n] = (t.full_tensor() if hasattr(t, "full_tensor") else t).float().cpu().clone()
+    return out
+
+
+def save_final_adapter(accelerator, model, tokenizer, out: str | os.PathLike, build_base) -> dict:
+    """Collective. OUTPUT_DIR/adapter (a peft directory PeftModel.from_pretrained loads) and OUTPUT_DIR/model (the
+    adapter merged into `build_base()`, the unquantized base in its own dtype: never merged at 4 bits), both staged.
+    Refuses success, nothing written, when the adapter file misses a tensor or holds one partial (every trained
+    tensor with its full shape: ZeRO-3's ds_shape, FSDP2's global shape)."""
+    from ..scale.adapters import merge_into_base
+
+    out = Path(out)
+    unwrapped = accelerator.unwrap_model(model)
+    expected = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in unwrapped.named_parameters() if p.requires_grad}
+    state = adapter_state(accelerator, model)
+    result: dict = {}
+    if accelerator.is_main_process:
+        from ..util.atomic import staged
+
+        wrong = [n for n, t in state.items() if tuple(t.shape) != expected[n] or t.numel() == 0]
+        if not state or wrong:
+            raise HfscaleError(f"the adapter gathered for saving is {'empty' if not state else 'partial'} "
+                               f"({wrong[:1] or 'no trained tensors'}); nothing saved: this is a bug, report it with the "
+                               "launch config")
+        with staged(out / "adapter", directory=True) as tmp:
+            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            numel, nbytes = saved_numel(tmp)
+            want = sum(t.numel() for t in state.values())
+            if numel != want:
+                raise HfscaleError(f"the adapter file holds {numel:,} elements of the {want:,} trained; nothing saved: "
+                                   "this is a bug, report it with the launch config")
+        from ..scale.runtime import without_zero_init
+
+        with without_zero_init(accelerator):  # built whole on this rank alone: zero.Init would wait for the others
+            base = build_base()
+        merged = merge_into_base(base, out / "adapter")
+        merged.config.use_cache = True
+        with staged(out / "model", directory=True) as tmp:
+            merged.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            model_numel, model_bytes = saved_numel(tmp)
+        result = {"path": str(out / "model"), "adapter": str(out / "adapter"), "numel": numel, "bytes": nbytes,
+                  "model_numel": model_numel, "model_bytes": model_bytes}
     accelerator.wait_for_everyone()
     return result
