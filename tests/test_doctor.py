@@ -397,18 +397,24 @@ def test_adapter_traps_fire_on_bad_and_not_on_good(code, bad, good):
 
 
 def test_recipe_adapter_keys_reach_doctor():
-    # what loop.run_doctor adds for the recipe's adapter: the section, the NF4 storage the recipe loads under this
-    # engine (ZeRO-3: the model's dtype, so qlora-zero3-storage stays quiet) and its non-reentrant checkpointing
+    # what loop.run_doctor adds for the recipe's adapter: the section, the NF4 storage the recipe loads its base with
+    # (hfscale.scale.adapters.qlora_dtypes: uint8 where it runs QLoRA; under ZeRO-3 the recipe refuses QLoRA, so no
+    # storage is claimed and doctor's qlora-zero3-storage names the trap) and its non-reentrant checkpointing
     from types import SimpleNamespace
 
     from hfscale.scale.adapters import AdapterSpec
     from hfscale.train.loop import _doctor_adapter_keys
 
-    zero3 = SimpleNamespace(deepspeed=ds())
-    keys = _doctor_adapter_keys(AdapterSpec("qlora", rank=8), zero3, "bf16")
-    assert keys["adapter"]["kind"] == "qlora" and keys["bnb_4bit_quant_storage"] == "bfloat16"
-    base = {"bf16": True, "gradient_checkpointing": True}
-    assert "qlora-zero3-storage" not in codes(Setup(deepspeed=ds(), args={**base, **keys}))
-    assert "qlora-zero3-storage" in codes(Setup(deepspeed=ds(), args={**base, "adapter": keys["adapter"]}))
+    zero2 = SimpleNamespace(deepspeed=ds(DS2), fsdp=False)
+    keys = _doctor_adapter_keys(AdapterSpec("qlora", rank=8), zero2, "bf16")
+    assert keys["adapter"]["kind"] == "qlora" and keys["bnb_4bit_quant_storage"] == "uint8"
+    assert keys["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    base = {"bf16": True, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+    assert "adapter-reentrant-frozen" in codes(Setup(args={**base, "adapter": keys["adapter"]}))
+    assert "adapter-reentrant-frozen" not in codes(Setup(args={**base, **keys}))
+    zero3 = SimpleNamespace(deepspeed=ds(), fsdp=False)
+    keys3 = _doctor_adapter_keys(AdapterSpec("qlora", rank=8), zero3, "bf16")
+    assert "bnb_4bit_quant_storage" not in keys3
+    assert "qlora-zero3-storage" in codes(Setup(deepspeed=ds(), args={"bf16": True, **keys3}))
     assert _doctor_adapter_keys(AdapterSpec("none"), zero3, "bf16") == {} and _doctor_adapter_keys(None, zero3, "bf16") == {}
     assert _doctor_adapter_keys({"kind": "lora"}, SimpleNamespace(deepspeed=None), "fp32")["adapter"]["rank"] == 16

@@ -42,19 +42,15 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _model(args, precision: str, engine: str, rank: int = 0):
+def _model(args, precision: str, engine: str, zero: int | None, rank: int = 0):
     """The model as the recipe trains it: built-in weights (seeded), the adapter applied; QLoRA's base loaded in NF4
-    with the storage dtype the engine shards (hfscale.plan.adapters.quant_storage)."""
-    import torch
-
+    with the dtypes the recipe uses (hfscale.scale.adapters.qlora_dtypes). `zero`: DeepSpeed's stage, None without."""
     from ..models.builtin import build_model
-    from ..plan.adapters import quant_storage
-    from ..scale.adapters import AdapterSpec, apply_adapter, load_quantized_base
+    from ..scale.adapters import AdapterSpec, apply_adapter, load_quantized_base, qlora_dtypes
 
     spec = AdapterSpec(args.adapter, rank=args.lora_rank)
-    if spec.base_bits == 4:
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        storage = getattr(torch, quant_storage(engine, precision))
+    if spec.base_bits == 4:  # the recipe's dtypes, and its refusals (ZeRO-3, FSDP2) in one line
+        dtype, storage = qlora_dtypes(precision, zero, engine == "fsdp2")
         scratch = Path(args.out) / f"qlora_base_rank{rank}"  # the seeded weights written once, then quantized
         model = load_quantized_base(args.model, dtype, storage, seed=0, scratch=scratch)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -77,8 +73,8 @@ def run(args) -> RankProfile:
     accelerator = make_accelerator(precision=choice.precision if choice.overridden else None)
     set_deepspeed_micro_batch(accelerator, args.micro_batch)
     config = load_config(args.model)
-    engine = "fsdp2" if accelerator.is_fsdp2 else "zero3" if _zero_stage(accelerator) == 3 else "other"
-    model, spec = _model(args, choice.precision, engine, accelerator.process_index)
+    engine = "fsdp2" if accelerator.is_fsdp2 else "other"
+    model, spec = _model(args, choice.precision, engine, _zero_stage(accelerator), accelerator.process_index)
     apply_checkpointing_(model, args.checkpointing, launched.fsdp_checkpoints_all)
     optimizer = make_optimizer(accelerator, model, lr=1e-4, adamw=args.adamw)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -104,9 +100,9 @@ def run(args) -> RankProfile:
     return replace(out, adapter=spec.kind, lora_rank=spec.rank if spec.enabled else 0)
 
 
-def _zero_stage(accelerator) -> int:
+def _zero_stage(accelerator) -> int | None:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)) if plugin is not None else 0
+    return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)) if plugin is not None else None
 
 
 def main(argv=None) -> int:

@@ -125,7 +125,7 @@ def run_doctor(cfg, plan, launch, precision, support, source: str | None) -> Non
         "bf16": precision.precision == "bf16",
         "fp16": precision.precision == "fp16",
         "gradient_checkpointing": cfg.checkpointing != "off",
-        **_doctor_adapter_keys(getattr(cfg, "adapter", None), launch, precision.precision),
+        **_doctor_adapter_keys(getattr(cfg, "adapter_spec", None), launch, precision.precision),
     }
     findings = check(deepspeed=ds, args=args, model=cfg.model, num_processes=launch.world,
                      labels={"deepspeed": ds_label, "args": label}, host_bf16=support, cpu_launch=launch.on_cpu)
@@ -149,11 +149,17 @@ def _doctor_adapter_keys(adapter, launch, precision: str) -> dict:
     if not spec.enabled:
         return {}
     out = {"adapter": spec.to_dict(), "gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    if spec.base_bits == 4:
-        from ..plan.adapters import quant_storage
+    if spec.base_bits == 4:  # the storage the recipe loads its NF4 base with (scale.adapters.qlora_dtypes, which
+        # refuses ZeRO-3 / FSDP2 in one line itself: then doctor gets no storage key)
+        from ..scale.adapters import qlora_dtypes
+        from ..util.errors import ConfigError
 
-        stage = ((launch.deepspeed or {}).get("zero_optimization") or {}).get("stage")
-        out["bnb_4bit_quant_storage"] = quant_storage("zero3" if stage == 3 else "other", precision)
+        ds = launch.deepspeed
+        stage = ((ds or {}).get("zero_optimization") or {}).get("stage", 0) if ds is not None else None
+        try:
+            out["bnb_4bit_quant_storage"] = str(qlora_dtypes(precision, stage, getattr(launch, "fsdp", False))[1]).replace("torch.", "")
+        except ConfigError:
+            pass
     return out
 
 
