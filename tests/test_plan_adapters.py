@@ -99,6 +99,9 @@ def test_write_round_trips_the_adapter(tmp_path, kind, zero, storage):
     write_plan(pick, hw, tmp_path, model="gemma-3-1b", seq_len=1024)
     recipe = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
     assert AdapterSpec.from_mapping(recipe["adapter"]) == AdapterSpec(kind, rank=32)
+    from hfscale.train.config import adapter_section  # the recipe's own reader of the section
+
+    assert adapter_section(recipe["adapter"], "recipe.yaml") == {"adapter": kind, "lora_rank": 32}
     args = yaml.safe_load((tmp_path / "training_args.yaml").read_text())
     assert args["use_peft"] is True and args["lora_r"] == 32 and args["lora_target_modules"] == list(AdapterSpec.targets)
     assert args.get("bnb_4bit_quant_storage") == storage and args.get("load_in_4bit", False) is (kind == "qlora")
