@@ -848,6 +848,13 @@ def test_zero3_lora_trains_saves_and_resumes_on_1_rank(tmp_path):
     _, log = launch("zero3.yaml", ref, "--adapter", "lora", *ADAPTER)
     assert "LoRA r8 (alpha 16): 135,168 trained" in log and "DistributedType.DEEPSPEED world 2" in log
     assert_adapter_run(ref, log, "lora")
+    from hfscale.export.ckpt_export import export, info
+    from hfscale.util.errors import HfscaleError
+
+    assert info(ref / "checkpoints" / "step_00000004").adapter == "LoRA r8 (alpha 16)"
+    with pytest.raises(HfscaleError, match="checkpoint of an adapter run"):  # not a model dir of peft-named tensors
+        export(ref / "checkpoints" / "step_00000004", tmp_path / "export")
+    assert not (tmp_path / "export").exists()
     out = tmp_path / "run"
     shutil.copytree(ref / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
     _, log = launch("zero3.yaml", out, "--adapter", "lora", *ADAPTER, "--resume", "latest", procs=1)
