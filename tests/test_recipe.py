@@ -1,7 +1,8 @@
 """recipes/train_clm.py and hfscale.train: batch arithmetic, data order, checkpointing, recipe
 configs, bad input (one line, exit 2, nothing written), and — under real `accelerate launch` with
 2 processes — DDP / ZeRO-2 / ZeRO-3 / FSDP2 training, resume after kill -9 (FSDP2: also on 1 rank), kill
-during a save, and the consolidated save reloading to the live model's eval loss."""
+during a save, and the consolidated save reloading to the live model's eval loss; adapters (QLoRA under DDP, LoRA under
+ZeRO-3 with a 2 -> 1 resume and under FSDP2): only the adapter moves, saved whole, reloaded and merged."""
 
 from __future__ import annotations
 
