@@ -1,7 +1,8 @@
 """recipes/train_clm.py and hfscale.train: batch arithmetic, data order, checkpointing, recipe
 configs, bad input (one line, exit 2, nothing written), and — under real `accelerate launch` with
 2 processes — DDP / ZeRO-2 / ZeRO-3 / FSDP2 training, resume after kill -9 (FSDP2: also on 1 rank), kill
-during a save, and the consolidated save reloading to the live model's eval loss."""
+during a save, and the consolidated save reloading to the live model's eval loss; adapters (QLoRA under DDP, LoRA under
+ZeRO-3 with a 2 -> 1 resume and under FSDP2): only the adapter moves, saved whole, reloaded and merged."""
 
 from __future__ import annotations
 
@@ -759,13 +760,20 @@ def fresh_adapter_model(kind: str, quantized: bool):
 
 
 def checkpoint_frozen(ckpt: Path) -> dict:
-    """The frozen (non-adapter) tensors a checkpoint holds: DDP's model.safetensors, or ZeRO-3's frozen parameter
-    fragments of every rank joined to their shapes (DeepSpeed's model_states files)."""
+    """The frozen (non-adapter) tensors a checkpoint holds: DDP's model.safetensors, FSDP2's DCP shards, or ZeRO-3's
+    frozen parameter fragments of every rank joined to their shapes (DeepSpeed's model_states files)."""
     import torch
     from safetensors.torch import load_file
 
     if (ckpt / "model.safetensors").is_file():
         return {k: v for k, v in load_file(ckpt / "model.safetensors").items() if "lora_" not in k}
+    if (ckpt / "pytorch_model_fsdp_0").is_dir():  # FSDP2: torch.distributed.checkpoint shards, joined by torch
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(ckpt / "pytorch_model_fsdp_0", ckpt.parent / f"{ckpt.name}.pt")
+        state = torch.load(ckpt.parent / f"{ckpt.name}.pt", map_location="cpu", weights_only=True)["model"]
+        (ckpt.parent / f"{ckpt.name}.pt").unlink()
+        return {k: v for k, v in state.items() if "lora_" not in k}
     files = sorted((ckpt / "pytorch_model").glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))
     states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
     shapes = states[0]["frozen_param_shapes"]
@@ -848,6 +856,13 @@ def test_zero3_lora_trains_saves_and_resumes_on_1_rank(tmp_path):
     _, log = launch("zero3.yaml", ref, "--adapter", "lora", *ADAPTER)
     assert "LoRA r8 (alpha 16): 135,168 trained" in log and "DistributedType.DEEPSPEED world 2" in log
     assert_adapter_run(ref, log, "lora")
+    from hfscale.export.ckpt_export import export, info
+    from hfscale.util.errors import HfscaleError
+
+    assert info(ref / "checkpoints" / "step_00000004").adapter == "LoRA r8 (alpha 16)"
+    with pytest.raises(HfscaleError, match="checkpoint of an adapter run"):  # not a model dir of peft-named tensors
+        export(ref / "checkpoints" / "step_00000004", tmp_path / "export")
+    assert not (tmp_path / "export").exists()
     out = tmp_path / "run"
     shutil.copytree(ref / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
     _, log = launch("zero3.yaml", out, "--adapter", "lora", *ADAPTER, "--resume", "latest", procs=1)
@@ -855,3 +870,12 @@ def test_zero3_lora_trains_saves_and_resumes_on_1_rank(tmp_path):
     assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), (3, 4))
     ev = read_records(out / "metrics.jsonl", "eval")[4]["loss"]
     assert abs(ev - read_records(ref / "metrics.jsonl", "eval")[4]["loss"]) < RESHAPE_TOL
+
+
+@pytest.mark.engine
+def test_fsdp2_lora_trains_the_adapter_alone_and_saves_it_whole(tmp_path):
+    """LoRA under FSDP2 (2 ranks, DTensor shards; the adapter gathered from them before it is saved)."""
+    out = tmp_path / "run"
+    _, log = launch("fsdp2.yaml", out, "--adapter", "lora", *ADAPTER)
+    assert "LoRA r8 (alpha 16): 135,168 trained" in log and "DistributedType.FSDP world 2" in log
+    assert_adapter_run(out, log, "lora")

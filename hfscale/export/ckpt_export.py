@@ -35,6 +35,7 @@ class CheckpointInfo:
     model: str | None
     intact: str  # "yes", or what is wrong
     universal: bool  # a DeepSpeed universal conversion sits beside it
+    adapter: str | None = None  # an adapter run's checkpoint (hfscale.scale.adapters): the spec, described
 
     @property
     def tokens_seen(self) -> int | None:
@@ -46,7 +47,8 @@ class CheckpointInfo:
         return [f"{self.path}: step {self.step}, {self.engine}{zero} on {self.ranks} rank{'s' if self.ranks != 1 else ''}, "
                 f"{self.precision or 'precision unknown'}, {seen}",
                 f"model {self.model}; intact: {self.intact}"
-                + ("; universal conversion beside it" if self.universal else "")]
+                + ("; universal conversion beside it" if self.universal else "")
+                + (f"; adapter {self.adapter} on a frozen base" if self.adapter else "")]
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,16 @@ def info(ckpt: str | os.PathLike) -> CheckpointInfo:
         zero = zero_pieces(ckpt / DS_TAG)[1]["zero"]
     return CheckpointInfo(str(ckpt), int(meta.get("step", 0)), facts["engine"], zero, int(facts["ranks"]),
                           facts.get("precision"), meta.get("tokens_per_step"), meta.get("model"),
-                          "yes" if why is None else f"no ({why})", universal_dir(ckpt).is_dir())
+                          "yes" if why is None else f"no ({why})", universal_dir(ckpt).is_dir(), _adapter(meta))
+
+
+def _adapter(meta: dict) -> str | None:
+    spec = (meta.get("model_fingerprint") or {}).get("adapter")
+    if not spec:
+        return None
+    from ..scale.adapters import AdapterSpec
+
+    return AdapterSpec.from_mapping(spec).describe()
 
 
 def _sources(ckpt: Path):
@@ -156,6 +167,10 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, shard_bytes: int = D
     ckpt = Path(ckpt)
     meta = _marker(ckpt)
     check_writable({str(out): "--out"}, force, {str(ckpt): "checkpoint"})
+    if (adapter := _adapter(meta)) is not None:  # its trained tensors are the adapter's, under peft's names
+        raise HfscaleError(f"{ckpt} is a checkpoint of an adapter run ({adapter}); its end is written as OUTPUT_DIR/adapter "
+                           "and OUTPUT_DIR/model (merged); exporting an adapter checkpoint is not supported yet: use those, or "
+                           "accelerate's load_state on the recipe's model in your own script")
     if check and (why := damage(ckpt, meta)) is not None:
         raise HfscaleError(f"checkpoint {ckpt} is damaged ({why}); export another checkpoint")
     sources = _sources(ckpt)
