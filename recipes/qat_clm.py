@@ -4,6 +4,7 @@
         recipes/qat_clm.py --config recipes/tiny/qat.yaml --model runs/tiny/model
 
     # options: --scheme 8da4w|int4wo|q4_0  --group-size 0 (per-channel)  --lora-rank 8  --distill 1.0
+    #          --include-embeddings true (q4_0: the tied embedding / head on the grid too, for --embed-qtype Q4_0)
 
 The model computes with its linears fake-quantized to the scheme's grid (hfscale.compress.qat) and
 learns weights that survive the rounding; the end converts them to the real quantization. Writes
@@ -74,7 +75,7 @@ def train(cfg, force, pre) -> int:
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint
 
-    spec = QuantSpec(cfg.scheme, group_size=cfg.group_size)
+    spec = QuantSpec(cfg.scheme, group_size=cfg.group_size, include_embeddings=cfg.include_embeddings)
     plan, data, ckpts, resume = pre.plan, pre.data, pre.ckpts, pre.resume
     # --- launch ---
     accelerator = start_run(cfg, force, pre, tag="qat_clm")
