@@ -58,7 +58,7 @@ def _launch_recipe(recipe: str, args: list[str], log: Path) -> None:
 QAT_ARGS = ["--scheme", "q4_0", "--include-embeddings", "true", "--distill", "1.0", "--precision", "fp32",
             "--max-steps", "24", "--lr", "3e-5", "--warmup-steps", "2", "--global-batch-tokens", "2048",
             "--micro-batch", "8", "--eval-every", "0", "--save-every", "0", "--eval-blocks", "32"]
-PROMPT = 'The "while" statement is used'  # how a topic of the built-in corpus (Python's reference) begins
+PROMPT = "Assignment statements are used to"  # how a topic of the built-in corpus (Python's reference) begins
 
 
 def trained_step(out: Path) -> Path:
@@ -214,7 +214,7 @@ def run_demo(out: str = "demo_out") -> int:
     print("  writing the GGUF, then its tokenizer, logits and perplexity checked in llama.cpp ...", flush=True)
     g, sample = export_step(out / "qat_tiny" / "quantized", out / "export", out / "export.log")
     print(export_table([g]))
-    text = (PROMPT + sample).replace("\n", "\n    ")
+    text = (PROMPT + sample).rstrip().replace("\n", "\n    ")
     print(f"  llama.cpp, greedy continuation of the prompt ({len(sample)} characters):\n    {text}")
     ppl = quality["perplexity"]
     print(f"\ndemo finished in {time.time() - t0:.0f} s; Q4_0 PTQ lost {ppl['ptq'] - ppl['float']:.2f} perplexity, "
