@@ -149,8 +149,12 @@ def finish(cfg, spec, state, tokenizer, val_blocks, out: Path) -> None:
     print(f"[qat_clm] saved {out / 'quantized'}; held-out perplexity over {report['eval_tokens']:,} tokens:")
     if "ptq" in rows:
         print(qat_table(rows["float"], rows["ptq"], rows["qat"], spec.scheme, label_float="float (start)"))
-        print("[qat_clm] recovered is measured against the starting checkpoint (torchao's convention); the fine-tune "
-              "also moves the float model, which benchmarks/compress.py separates with a same-steps control run")
+        if cfg.distill == 1.0:  # the only target is the starting model (its probabilities), not the data
+            print("[qat_clm] recovered is measured against the starting checkpoint, which was also the only target "
+                  "(distill 1.0): what QAT won back is the grid's loss, not further training")
+        else:
+            print("[qat_clm] recovered is measured against the starting checkpoint (torchao's convention); the fine-tune "
+                  "also moves the float model, which benchmarks/compress.py separates with a same-steps control run")
     else:
         print(f"float {rows['float']:.3f} | QAT {rows['qat']:.3f}")
 
