@@ -123,9 +123,10 @@ def export_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def export_step(model_dir, out_dir, log, embed_qtype: str = "Q4_0") -> tuple[dict, str]:
+def export_step(model_dir, out_dir, log, embed_qtype: str = "Q4_0", verify: bool = True) -> tuple[dict, str]:
     """GGUF Q4_0 of `model_dir`, checked in llama.cpp on small verification slices, and a greedy sample from it.
-    What the libraries print on the way (gguf's writer bar, llama.cpp's log lines) goes to `log`."""
+    What the libraries print on the way (gguf's writer bar, llama.cpp's log lines) goes to `log`. verify=False skips
+    the checks (tests/test_export_gguf.py runs them) and keeps the sample."""
     from ..export.artifacts import export_gguf
     from ..export.evalset import EvalSet
     from ..models import load_tokenizer
@@ -134,7 +135,7 @@ def export_step(model_dir, out_dir, log, embed_qtype: str = "Q4_0") -> tuple[dic
     evalset = EvalSet(n_prompts=4, prompt_tokens=96, ppl_blocks=4, seq_len=128)
     with output_to(log):
         g = export_gguf(str(model_dir), Path(out_dir) / "model-Q4_0.gguf", "Q4_0", force=True, embed_qtype=embed_qtype,
-                        evalset=evalset, progress=False)
+                        verify=verify, evalset=evalset, progress=False)
         sample = greedy_text(g["out"], load_tokenizer(str(model_dir)), PROMPT)
     return g, sample
 
