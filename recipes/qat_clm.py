@@ -4,6 +4,7 @@
         recipes/qat_clm.py --config recipes/tiny/qat.yaml --model runs/tiny/model
 
     # options: --scheme 8da4w|int4wo|q4_0  --group-size 0 (per-channel)  --lora-rank 8  --distill 1.0
+    #          --include-embeddings true (q4_0: the tied embedding / head on the grid too, for --embed-qtype Q4_0)
 
 The model computes with its linears fake-quantized to the scheme's grid (hfscale.compress.qat) and
 learns weights that survive the rounding; the end converts them to the real quantization. Writes
@@ -74,7 +75,7 @@ def train(cfg, force, pre) -> int:
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint
 
-    spec = QuantSpec(cfg.scheme, group_size=cfg.group_size)
+    spec = QuantSpec(cfg.scheme, group_size=cfg.group_size, include_embeddings=cfg.include_embeddings)
     plan, data, ckpts, resume = pre.plan, pre.data, pre.ckpts, pre.resume
     # --- launch ---
     accelerator = start_run(cfg, force, pre, tag="qat_clm")
@@ -148,8 +149,12 @@ def finish(cfg, spec, state, tokenizer, val_blocks, out: Path) -> None:
     print(f"[qat_clm] saved {out / 'quantized'}; held-out perplexity over {report['eval_tokens']:,} tokens:")
     if "ptq" in rows:
         print(qat_table(rows["float"], rows["ptq"], rows["qat"], spec.scheme, label_float="float (start)"))
-        print("[qat_clm] recovered is measured against the starting checkpoint (torchao's convention); the fine-tune "
-              "also moves the float model, which benchmarks/compress.py separates with a same-steps control run")
+        if cfg.distill == 1.0:  # the only target is the starting model (its probabilities), not the data
+            print("[qat_clm] recovered is measured against the starting checkpoint, which was also the only target "
+                  "(distill 1.0): what QAT won back is the grid's loss, not further training")
+        else:
+            print("[qat_clm] recovered is measured against the starting checkpoint (torchao's convention); the fine-tune "
+                  "also moves the float model, which benchmarks/compress.py separates with a same-steps control run")
     else:
         print(f"float {rows['float']:.3f} | QAT {rows['qat']:.3f}")
 

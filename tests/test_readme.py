@@ -37,6 +37,47 @@ def test_relative_links_resolve():
     assert checked >= 10  # the capability table links every docs page
 
 
+# a repository path: a top-level folder of the checkout, then anything up to whitespace or a quote / bracket
+REPO_TOPS = ("recipes", "hfscale", "tests", "tools", "benchmarks", "docs", "accelerate_configs", "ds_configs")
+REPO_PATH = re.compile(r"(?<![\w./-])((?:%s)/[^\s`'\"()\[\]]*)" % "|".join(REPO_TOPS))
+CODE_SPAN = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)  # fenced blocks and inline spans
+# not a file that must exist: globs and placeholders (`benchmarks/results/prune_speed*.md`, `recipes/<family>/`)
+PATTERN_CHARS = set("*?<>{}$")
+
+
+def repo_paths(text: str) -> list[str]:
+    """The repository paths a page names in code (fenced blocks and spans) and link targets. Run outputs (`runs/...`, OUTPUT_DIR,
+    `demo_out/...`) do not start with a checkout folder, so they are not collected; a link written relative to
+    its page (`../recipes/x.py`) is test_relative_links_resolve's, and the lookbehind skips it."""
+    out = []
+    for span in [a or b for a, b in CODE_SPAN.findall(text)] + LINK.findall(text):
+        for m in REPO_PATH.finditer(span):
+            path = m.group(1).split("#")[0].split(":")[0].rstrip(".,;")
+            if not PATTERN_CHARS & set(path):
+                out.append(path)
+    return out
+
+
+def test_repo_paths_named_in_the_docs_exist():
+    """Issue 38: every repository path README.md and docs/*.md name in code or links exists in the checkout."""
+    missing, checked = [], 0
+    for page in _pages():
+        for path in repo_paths(page.read_text()):
+            checked += 1
+            if not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, missing
+    assert checked >= 100  # the capability tables name every module, test and benchmark
+
+
+def test_repo_paths_rule():
+    text = ("see `hfscale/compress/qat.py:40`, [x](recipes/tiny/qat.yaml#L3), `benchmarks/results/prune_speed*.md`, "
+            "`recipes/<family>/x.yaml`, `runs/tiny/model`, [y](../tools/a.py), `accelerate launch recipes/train_clm.py`, "
+            "`tests/test_nothing_here.py`.")
+    assert repo_paths(text) == ["hfscale/compress/qat.py", "recipes/train_clm.py", "tests/test_nothing_here.py",
+                                "recipes/tiny/qat.yaml"]
+
+
 def test_every_docs_page_is_linked_and_opens_with_what_ran_where():
     linked = {(README.parent / t).resolve() for t in LINK.findall(README.read_text())}
     for page in sorted((ROOT / "docs").glob("*.md")):

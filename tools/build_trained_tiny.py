@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hfscale.testing.trained import SHIPPED_FILES, TinyTraining, _train, shipped_dir, val_loss  # noqa: E402
+from hfscale.models.trained import SHIPPED_FILES, shipped_dir  # noqa: E402
+from hfscale.testing.trained import TinyTraining, _train, val_loss  # noqa: E402
 
 
 def main() -> int:

@@ -8,8 +8,9 @@ a given (steps, seq_len, batch, lr, seed) and host — and caches the result as 
 goes through recipes/train_clm.py; this is a fixed, small fixture.
 
 The default recipe's result ships in hfscale/models/data/trained/ (bf16 weights, made by
-tools/build_trained_tiny.py): `trained_tiny()` copies it (as fp32) instead of training, so a fresh test run
-spends no time on it and every host tests the same weights. Other recipes are trained here.
+tools/build_trained_tiny.py; its home is hfscale.models.trained, which the demo uses too): `trained_tiny()`
+copies it (as fp32) instead of training, so a fresh test run spends no time on it and every host tests the same
+weights. Other recipes are trained here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..util.cache import cache_root
+from ..models.trained import NAME, SHIPPED_FILES, copy_shipped, shipped_dir, shipped_info  # noqa: F401 (SHIPPED_FILES re-exported)
+from ..util.cache import cached_dir  # noqa: F401 (tiny_moe's cache too)
 
 
 @dataclass(frozen=True)
@@ -36,38 +38,10 @@ class TinyTraining:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
-
-
-SHIPPED_FILES = ("config.json", "hfscale_training.json", "model.safetensors")
-
-
-def shipped_dir() -> Path:
-    from importlib import resources
-
-    return Path(str(resources.files("hfscale.models") / "data" / "trained"))
-
-
 def _shipped(recipe: TinyTraining) -> Path | None:
     """The shipped directory if it holds `recipe`'s result (its recorded recipe key), else None."""
-    d = shipped_dir()
-    try:
-        info = json.loads((d / "hfscale_training.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return d if info.get("recipe_key") == recipe.key() and all((d / f).is_file() for f in SHIPPED_FILES) else None
-
-
-def cached_dir(name: str, key: str, build, done: str, cache: str | os.PathLike | None = None) -> Path:
-    """`root/name-key`, built once by `build(staging_dir)` (it appears whole or not at all: a concurrent builder's
-    equal copy may be replaced) and reused while its `done` file exists. The one cache for trained fixtures."""
-    from ..util.atomic import staged
-
-    out = (Path(cache) if cache is not None else cache_root()) / f"{name}-{key}"
-    if not (out / done).is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with staged(out, directory=True) as tmp:
-            build(tmp)
-    return out
+    info = shipped_info()
+    return shipped_dir() if info is not None and info["recipe_key"] == recipe.key() else None
 
 
 def fit(model, next_batch, steps: int, lr: float, schedule=None, clip: float | None = None, desc: str | None = None,
@@ -106,30 +80,12 @@ def trained_tiny(recipe: TinyTraining = TinyTraining(), cache: str | os.PathLike
 
     def build(tmp: Path) -> None:
         if shipped is not None:
-            _copy_shipped(shipped, tmp)
+            copy_shipped(tmp, shipped)
             return
         info = _train(recipe, tmp, progress)
         (tmp / "hfscale_training.json").write_text(json.dumps(info, indent=2) + "\n")
 
-    return cached_dir("tiny-gemma3-trained", recipe.key(), build, "hfscale_training.json", cache)
-
-
-def _copy_shipped(src: Path, out: Path) -> None:
-    """The shipped weights as an fp32 transformers directory with the tokenizer (what training would leave)."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from ..models.builtin import TINY, load_tokenizer
-
-    weights = {k: v.to(torch.float32) for k, v in load_file(src / "model.safetensors").items()}
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    load_tokenizer(TINY).save_pretrained(out)
-    shutil.copyfile(src / "hfscale_training.json", out / "hfscale_training.json")
+    return cached_dir(NAME, recipe.key(), build, "hfscale_training.json", cache)
 
 
 def val_loss(model_or_dir, seq_len: int = 128, blocks: int = 64) -> float:

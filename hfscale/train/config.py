@@ -139,6 +139,7 @@ class QATRecipeConfig(TrainConfig):
     """recipes/qat_clm.py: fine-tune a trained checkpoint (`model`) against a quantization grid."""
     scheme: str = "8da4w"  # a QAT scheme of hfscale.compress.schemes (8da4w, int4wo, q4_0)
     group_size: int = 32  # input columns per scale; 0 = per-channel (torchao schemes)
+    include_embeddings: bool = False  # q4_0: the tied embedding / head on the grid too (GGUF --embed-qtype Q4_0)
     lora_rank: int = 0  # > 0: train LoRA adapters on the fake-quantized base (peft), merged before convert
     distill: float = 0.0  # weight of KL to the unquantized model's probabilities (1 = teacher only)
     temperature: float = 1.0
@@ -152,7 +153,7 @@ class QATRecipeConfig(TrainConfig):
         from ..compress.qat import as_spec
         from ..compress.schemes import QuantSpec
 
-        as_spec(QuantSpec(self.scheme, group_size=self.group_size))
+        as_spec(QuantSpec(self.scheme, group_size=self.group_size, include_embeddings=self.include_embeddings))
         if not 0.0 <= self.distill <= 1.0:
             raise ConfigError(f"distill must be in [0, 1] (got {self.distill}): the weight of the teacher's KL term")
         if self.lora_rank < 0 or not self.temperature > 0:

@@ -34,3 +34,17 @@ def cached_json(path: Path, compute: Callable[[], dict], valid: Callable[[dict],
     except Exception:  # noqa: BLE001 - a read-only home must not fail the caller
         pass
     return value
+
+
+def cached_dir(name: str, key: str, build: Callable[[Path], None], done: str, cache: str | os.PathLike | None = None) -> Path:
+    """`root/name-key`, built once by `build(staging_dir)` (it appears whole or not at all: a concurrent builder's
+    equal copy may be replaced) and reused while its `done` file exists. The one cache for built model directories
+    (the trained default, the test fixtures)."""
+    from .atomic import staged
+
+    out = (Path(cache) if cache is not None else cache_root()) / f"{name}-{key}"
+    if not (out / done).is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with staged(out, directory=True) as tmp:
+            build(tmp)
+    return out

@@ -136,3 +136,30 @@ def native_noise_dropped(fd: int = 2):
             kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True) if not ln.startswith(NATIVE)]
             if kept:
                 os.write(fd, "".join(kept).encode())
+
+
+@contextlib.contextmanager
+def output_to(log):
+    """Everything written to stdout and stderr during the call (Python's sys.stdout / sys.stderr, whatever object
+    they are, and native code's fds 1 and 2: progress bars, llama.cpp's log lines) appended to the file `log`
+    instead of the terminal; for a command that prints its own summary of a third-party call and keeps that call's
+    output for when it fails."""
+    from pathlib import Path
+
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    for s in (sys.stdout, sys.stderr):
+        s.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(log, "ab") as f, open(log, "a", buffering=1, errors="replace") as text:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield
+        finally:
+            for s in (sys.stdout, sys.stderr):
+                s.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
