@@ -111,16 +111,21 @@ def bench_prepare(data: Path, work: Path) -> dict:
             "bytes_per_token": info.bytes / tokens, "store_bytes": info.bytes}
 
 
-def peak_rss_of_tree(cmd, cwd=None, environ=None) -> tuple[int, dict[int, int], float]:
-    """Run `cmd`; poll VmHWM of it and its descendants. Returns (status, {pid: peak kB} of python processes, seconds)."""
+def peak_rss_of_tree(cmd, cwd=None, environ=None, min_free_mb: int = 1500) -> tuple[int, dict[int, int], float, bool]:
+    """Run `cmd`; poll VmHWM of it and its descendants. Returns (status, {pid: peak kB}, seconds, stopped): a watchdog
+    kills the process group when the host's MemAvailable falls under `min_free_mb` (the old path's ~18 GB process on a
+    shared 24 GB host), and `stopped` says so; the peaks are then lower bounds."""
+    import signal
+
     import psutil
 
-    p = subprocess.Popen(cmd, env=environ or env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(cmd, env=environ or env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
     peaks: dict[int, int] = {}
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(p.stdout), daemon=True)
     reader.start()
-    t0 = time.perf_counter()
+    t0, stopped = time.perf_counter(), False
     while p.poll() is None:
         try:
             procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
@@ -133,32 +138,38 @@ def peak_rss_of_tree(cmd, cwd=None, environ=None) -> tuple[int, dict[int, int], 
                         peaks[q.pid] = max(peaks.get(q.pid, 0), int(line.split()[1]))
             except OSError:
                 pass
+        if psutil.virtual_memory().available < min_free_mb * 2**20:
+            os.killpg(p.pid, signal.SIGKILL)
+            stopped = True
+            p.wait()
+            break
         time.sleep(0.05)
     reader.join(timeout=5)
-    if p.returncode:
+    if p.returncode and not stopped:
         raise RuntimeError("".join(out)[-3000:])
-    return p.returncode, peaks, time.perf_counter() - t0
+    return p.returncode, peaks, time.perf_counter() - t0, stopped
 
 
-def bench_rss(data: Path, work: Path, old_root: Path | None) -> dict:
-    """2-rank DDP launch, 2 steps, preparing the store at start (a fresh cache), per-rank VmHWM (the launcher's own
-    process excluded: the two largest are the ranks)."""
+def bench_rss(data: Path, work: Path, old_root: Path | None, old_procs: int = 2, new: bool = True) -> dict:
+    """A DDP launch, 2 steps, preparing the store at start (a fresh cache), per-rank VmHWM (the launcher's own
+    process excluded: the largest are the ranks). The old path runs with `old_procs` ranks: 1 where two of its
+    ~18 GB processes cannot fit the host."""
     from hfscale.proofs.engine import free_port
 
-    def launch(root: Path, tag: str):
+    def launch(root: Path, tag: str, procs: int):
         cmd = [PY, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
-               "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
-               str(root / "recipes" / "train_clm.py"), "--config", str(root / "recipes" / "tiny" / "train.yaml"),
+               "--num_processes", str(procs), "--num_machines", "1", "--machine_rank", "0", "--main_process_port",
+               str(free_port()), str(root / "recipes" / "train_clm.py"), "--config", str(root / "recipes" / "tiny" / "train.yaml"),
                "--data", str(data), "--output-dir", str(work / f"run-{tag}"), "--seq-len", "256", "--global-batch-tokens",
                "2048", "--micro-batch", "2", "--max-steps", "2", "--eval-every", "0", "--save-every", "0", "--eval-blocks",
                "4", "--progress", "false", "--precision", "fp32", "--force"]
-        _, peaks, secs = peak_rss_of_tree(cmd, cwd=root, environ={**env(root), "HFSCALE_CACHE": str(work / f"cache-{tag}")})
-        ranks = sorted(peaks.values())[-2:]
-        return {"rank_peak_mb": [k / 1024 for k in ranks], "seconds": secs}
+        _, peaks, secs, stopped = peak_rss_of_tree(cmd, cwd=root, environ={**env(root), "HFSCALE_CACHE": str(work / f"cache-{tag}")})
+        ranks = sorted(peaks.values())[-procs:]
+        return {"rank_peak_mb": [k / 1024 for k in ranks], "seconds": secs, "ranks": procs, "stopped": stopped}
 
-    res = {"new": launch(ROOT, "new")}
+    res = {"new": launch(ROOT, "new", 2)} if new else {}
     if old_root is not None:
-        res["old"] = launch(old_root, "old")
+        res["old"] = launch(old_root, "old", old_procs)
     return res
 
 
@@ -269,7 +280,11 @@ def main() -> int:
     ap.add_argument("--mb", default="40,400", help="corpus sizes in MB for (b); the first also for (a)")
     ap.add_argument("--old", default="/work/main", help="a checkout of the old path for (b) ('' to skip)")
     ap.add_argument("--only-d", action="store_true", help="rerun (d) into the last results (benchmarks/results/data_pipeline.json)")
+    ap.add_argument("--only-b", action="store_true", help="rerun (b) at --mb into the last results (old path at the smallest size)")
+    ap.add_argument("--old-procs", type=int, default=2, help="ranks of the old path's launch (1 where two cannot fit)")
     args = ap.parse_args()
+    if args.only_b:
+        return only_b(args)
     if args.only_d:
         results = json.loads(OUT.with_suffix(".json").read_text())
         results["throughput"] = [bench_throughput(seq_len=512), bench_throughput(seq_len=1024)]
@@ -300,6 +315,37 @@ def main() -> int:
     results["throughput"] = [bench_throughput(seq_len=512), bench_throughput(seq_len=1024)]
     print(json.dumps(results["throughput"]), flush=True)
     (OUT.with_suffix(".json")).write_text(json.dumps(results, indent=1))
+    OUT.write_text(report(results))
+    print(f"wrote {OUT}")
+    return 0
+
+
+def only_b(args) -> int:
+    """(b) alone, into the last results: each size's launch, then the old path at the smallest size; the json is
+    rewritten after each launch so a run cut short keeps what it measured."""
+    import shutil
+
+    results = json.loads(OUT.with_suffix(".json").read_text())
+    sizes = [int(x) for x in args.mb.split(",")]
+    results["rss"], results["b_host"], results["b_sizes_mb"] = {}, host(), sizes
+    print(results["b_host"], flush=True)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        tmp = Path(tmp)
+        for k, mb in enumerate(sizes):
+            d = tmp / f"rss{k}"
+            t0 = time.perf_counter()
+            (path,), written = make_text(d, mb, files=1)
+            gen = time.perf_counter() - t0
+            results["rss"][str(mb)] = {**bench_rss(path, tmp, None), "text_mb": written / 1e6, "generate_s": gen}
+            print(mb, json.dumps(results["rss"][str(mb)]), flush=True)
+            OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
+            if mb == min(sizes) and args.old:
+                results["rss"][str(mb)].update(bench_rss(path, tmp, Path(args.old), args.old_procs, new=False))
+                print(mb, "old", json.dumps(results["rss"][str(mb)]["old"]), flush=True)
+                OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
+            shutil.rmtree(d)
+            for p in tmp.glob("cache-*"):
+                shutil.rmtree(p)
     OUT.write_text(report(results))
     print(f"wrote {OUT}")
     return 0
