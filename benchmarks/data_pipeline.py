@@ -139,7 +139,12 @@ def peak_rss_of_tree(cmd, cwd=None, environ=None, min_free_mb: int = 1500) -> tu
             except OSError:
                 pass
         if psutil.virtual_memory().available < min_free_mb * 2**20:
-            os.killpg(p.pid, signal.SIGKILL)
+            # every process of the tree by pid: torch's elastic agent starts the ranks in sessions of their own
+            for q in procs:
+                try:
+                    q.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
             stopped = True
             p.wait()
             break
