@@ -380,7 +380,7 @@ def b_large_report(r: dict) -> list[str]:
         return ["Not run yet: >= 4 GB of text."]
     sizes = sorted(big, key=int)
     lines = [f"### (b) at >= 4 GB, rerun (`--only-b --mb {','.join(map(str, r['b_sizes_mb']))} --old-procs 1`): "
-             f"{r['b_host']}", "",
+             f"{r['b_host']} (other engineers' jobs brought it to 11-17 during the run; the launches ran at nice 19).", "",
              "Each corpus: one jsonl file of the built-in corpus's documents repeated in order, each line prefixed with a "
              "counter (`make_text`: cheap to generate, no two documents equal, the tokenizer's work per byte is the "
              "real prose's). Every launch prepares its store at start into an empty cache (both ranks tokenize half, "
@@ -402,11 +402,23 @@ def b_large_report(r: dict) -> list[str]:
         growth = [b / a - 1 for a, b in zip(sorted(news[0]), sorted(news[1]))]
         lines += ["", f"**Per-rank peak, {sizes[1]} MB vs {sizes[0]} MB of text: "
                   f"{' / '.join(f'{g:+.1%}' for g in growth)}** (target: within 10%)."]
+        lines += ["", "(The peaks are listed smaller first; ranks tokenize equal shares and only rank 0 merges, so the larger "
+                  "is rank 0's.) The rank that does not merge stays flat. The merging rank (it concatenates the parts' "
+                  "document lengths, packs and counts each row's trained tokens) grows with the number of documents and "
+                  "rows: those steps hold several int64 arrays of (documents + rows) entries at once (the wrapped "
+                  "packing's cut points, the segment table before its int32 cast, row_trained's per-segment bounds), "
+                  "here ~0.9 bytes per token at seq_len 256 (~3.7M rows for ~0.95B tokens, estimated from (a)'s tokens per byte). **Target met for the "
+                  "non-merging rank, not for the merging one**; a chunked merge (segments and row counts computed a "
+                  "slice of rows at a time) would bound it, not done. Training itself memory-maps the store on both "
+                  "ranks."]
     old = next((big[mb]["old"] for mb in sizes if "old" in big[mb]), None)
     if old:
-        lines += ["", f"The old path ran with {old.get('ranks', 1)} process: two of its processes (~18 GB each, as the "
-                  "issue measured) do not fit this 24 GB host beside the other engineers' jobs; its ranks each hold "
-                  "the whole corpus, so a 2-rank launch needs about twice this."]
+        lines += ["", f"The old path ran with {old.get('ranks', 1)} process (two of its ~18 GB processes, as the issue "
+                  "measured, cannot fit this 24 GB host), beside the rerun above (the same `bench_rss`, the watchdog at "
+                  "3 GB of free host memory)"
+                  + (f": the other engineers' jobs held ~8 GB, so the watchdog stopped it at {old['rank_peak_mb'][0]:,.0f} "
+                     f"MB after {old['seconds']:.0f} s, still tokenizing: a lower bound (the issue's idle-host run: 18.1 GB)."
+                     if old.get("stopped") else ".")]
     return lines
 
 
@@ -456,7 +468,8 @@ def report(r: dict) -> str:
              f"**What ran where:** `python benchmarks/data_pipeline.py --mb {','.join(map(str, r['sizes_mb']))}`, one run, "
              f"this host: {r['host']}. The tiny built-in tokenizer (4,096 ids, fast `tokenizers` BPE) and model; "
              "CPU only, other engineers' jobs sharing the 2 cores (timings are ratios within this run)."
-             + (f" (d) was rerun alone afterwards (`--only-d`, same code): {r['d_host']}." if "d_host" in r else ""), "",
+             + (f" (d) was rerun afterwards with its round-robin measurement (`--only-d`): {r['d_host']}." if "d_host" in r else "")
+             + (f" (b) at >= 4 GB was rerun afterwards (`--only-b`): {r['b_host']}." if r.get("b_host") else ""), "",
              "## (a) prepare throughput", "",
              f"{a['mb']:.0f} MB of jsonl text (4 files), {a['tokens']:,} tokens, seq_len 2048, wrapped packing.", "",
              "| path | wall seconds | tokens/s (wall) | CPU seconds (all processes) | tokens per CPU second |",
