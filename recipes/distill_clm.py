@@ -45,30 +45,32 @@ def main(argv=None) -> int:
         from hfscale.models import load_config
         from hfscale.train.config import load_recipe
         from hfscale.train.distill import DistillRecipeConfig, check_pair, check_placement
-        from hfscale.train.loop import preflight
+        from hfscale.train.loop import prepare_data, preflight
 
         cfg = load_recipe(config_path, overrides, cls=DistillRecipeConfig)
         check_pair(load_config(cfg.model), load_config(cfg.teacher), cfg.teacher)
         check_placement(cfg, os.environ)
         pre = preflight(cfg, force, source=config_path)
+        store = prepare_data(pre, rank, "distill_clm")
     except HfscaleError as e:
         if rank == 0:
             print(f"distill_clm: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "status", 2)  # 74: the disk filled while the token store was written
     from hfscale.train.loop import stopped
 
     try:
-        return train(cfg, force, pre)
+        return train(cfg, force, pre, store)
     except Exception as e:  # a preemption (75), a failed save (74), a resume the ranks disagree on (2); else re-raised
         return stopped(e, "distill_clm", rank)
 
 
-def train(cfg, force, pre) -> int:
-    from hfscale.models import build_model, load_tokenizer
+def train(cfg, force, pre, store) -> int:
+    from hfscale.data.recipe import run_rows
+    from hfscale.models import build_model
     from hfscale.scale.optim import adamw_impl
     from hfscale.scale.runtime import make_optimizer
     from hfscale.train.distill import gather_shares, heldout_kl, kd_loss_fn, load_teacher
-    from hfscale.train.loop import evaluate, load_blocks, resume_from, start_run, train_steps
+    from hfscale.train.loop import evaluate, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint, save_final
 
@@ -78,9 +80,11 @@ def train(cfg, force, pre) -> int:
     main_rank = accelerator.is_main_process
     out = Path(cfg.output_dir)
 
-    # --- data: the student's tokenizer (pruning keeps the vocabulary) ---
-    tokenizer = load_tokenizer(cfg.model)
-    train_blocks, val_blocks = load_blocks(cfg, tokenizer, data)
+    # --- data: the token store's packed rows, as train_clm reads them, with the student's tokenizer (pruning keeps
+    # the vocabulary): masks, documents apart in student and teacher, CE and KL over the trained tokens ---
+    tokenizer = data.tokenizer
+    rows = run_rows(store, plan, cfg.seed, cfg.max_train_blocks, cfg.eval_blocks)
+    val_blocks = rows.val
 
     # --- models: trainable student, frozen teacher (replicated, or partitioned by its own ZeRO-3 engine) ---
     model = build_model(cfg.model, seed=cfg.seed)
@@ -99,7 +103,7 @@ def train(cfg, force, pre) -> int:
     start = resume_from(accelerator, resume, "distill_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "teacher": cfg.teacher, "model_fingerprint": model_fingerprint(pre.model_config),
-            "world": plan.world, "tokens_per_step": plan.tokens_per_step}
+            "world": plan.world, "tokens_per_step": plan.tokens_per_step, "data_key": store.key}
 
     def eval_record(step: int, **extra) -> dict:
         ce = evaluate(model, accelerator, val_blocks, plan.micro_batch)
@@ -110,8 +114,8 @@ def train(cfg, force, pre) -> int:
 
     # --- train: the student before any step is the baseline the report compares with ---
     first = eval_record(start, start=True)
-    train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start, meta,
-                kd_loss_fn(teacher, cfg), tag="distill_clm")
+    train_steps(accelerator, model, optimizer, cfg, plan, rows.train, val_blocks, ckpts, log, start, meta,
+                kd_loss_fn(teacher, cfg), tag="distill_clm", read_batch=rows.reader.batch, step_tokens=rows.reader.trained)
 
     # --- evaluate and save (consolidated: ZeRO shards gathered on the main rank) ---
     last = eval_record(cfg.max_steps, final=True)
@@ -122,7 +126,7 @@ def train(cfg, force, pre) -> int:
         from hfscale.util.atomic import write_text_atomic
 
         report = {"teacher": cfg.teacher, "student": cfg.model, "steps": cfg.max_steps, "world": accelerator.num_processes,
-                  "tokens_per_step": plan.tokens_per_step, "eval_tokens": int(val_blocks[:, 1:].numel()),
+                  "tokens_per_step": plan.tokens_per_step, "eval_tokens": rows.val_trained,
                   "params": {"teacher": n_teacher, "student": n_student},
                   "perplexity": {"teacher": math.exp(teacher_ce), "student_start": first["ppl"], "student_end": last["ppl"]},
                   "kl_to_teacher": {"start_step": first["step"], "start": first["kl"], "end": last["kl"]},

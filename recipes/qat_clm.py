@@ -11,7 +11,8 @@ learns weights that survive the rounding; the end converts them to the real quan
 OUTPUT_DIR/quantized (a transformers dir that `from_pretrained` reloads; for q4_0 float weights on
 llama.cpp's grid, for `hfscale quantize --format gguf --qtype Q4_0`), OUTPUT_DIR/quality.json and
 prints float / PTQ / QAT perplexity side by side with the share of PTQ's loss QAT recovered.
-Everything else (batching, checkpoints, --resume latest, metrics.jsonl) is train_clm.py's.
+Everything else (the data: any format, its loss masks, the token store and packing; batching, checkpoints,
+--resume latest, metrics.jsonl) is train_clm.py's.
 """
 
 from __future__ import annotations
@@ -37,21 +38,22 @@ def main(argv=None) -> int:
         config_path, overrides, force = parse_args(argv)
         from hfscale.models import is_builtin
         from hfscale.train.config import QATRecipeConfig, load_recipe
-        from hfscale.train.loop import preflight
+        from hfscale.train.loop import prepare_data, preflight
 
         cfg = load_recipe(config_path, overrides, cls=QATRecipeConfig)
         if is_builtin(cfg.model):
             raise HfscaleError(f"QAT fine-tunes a trained checkpoint; {cfg.model} is a random init: pass --model "
                                "runs/tiny/model (from recipes/train_clm.py) or another trained directory")
         pre = preflight(cfg, force, source=config_path)
+        store = prepare_data(pre, rank, "qat_clm")
     except HfscaleError as e:
         if rank == 0:
             print(f"qat_clm: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "status", 2)  # 74: the disk filled while the token store was written
     from hfscale.train.loop import stopped
 
     try:
-        return train(cfg, force, pre)
+        return train(cfg, force, pre, store)
     except Exception as e:  # a preemption (75), a failed save (74), a resume the ranks disagree on (2); else re-raised
         return stopped(e, "qat_clm", rank)
 
@@ -65,13 +67,14 @@ def build_student(cfg, spec):
     return add_lora_(model, cfg.lora_rank) if cfg.lora_rank else model
 
 
-def train(cfg, force, pre) -> int:
+def train(cfg, force, pre, store) -> int:
     from hfscale.compress.schemes import QuantSpec
-    from hfscale.models import build_model, load_tokenizer
+    from hfscale.data.recipe import run_rows
+    from hfscale.models import build_model
     from hfscale.scale.optim import adamw_impl
     from hfscale.scale.runtime import make_optimizer
     from hfscale.train.distill import distill_loss_fn
-    from hfscale.train.loop import evaluate, lm_loss, load_blocks, resume_from, start_run, train_steps
+    from hfscale.train.loop import evaluate, lm_loss, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.state import model_fingerprint
 
@@ -82,9 +85,9 @@ def train(cfg, force, pre) -> int:
     main_rank = accelerator.is_main_process
     out = Path(cfg.output_dir)
 
-    # --- data ---
-    tokenizer = load_tokenizer(cfg.model)
-    train_blocks, val_blocks = load_blocks(cfg, tokenizer, data)
+    # --- data: the token store's packed rows, as train_clm reads them (masks, documents apart, trained-token loss) ---
+    tokenizer = data.tokenizer
+    rows = run_rows(store, plan, cfg.seed, cfg.max_train_blocks, cfg.eval_blocks)
 
     # --- model: fake-quantized student, optional frozen teacher (the unquantized checkpoint) ---
     model = build_student(cfg, spec)
@@ -103,24 +106,24 @@ def train(cfg, force, pre) -> int:
     start = resume_from(accelerator, resume, "qat_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config), "world": plan.world,
-            "tokens_per_step": plan.tokens_per_step, "scheme": spec.scheme}
+            "tokens_per_step": plan.tokens_per_step, "scheme": spec.scheme, "data_key": store.key}
 
     # --- train (against the grid) ---
-    train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_blocks, ckpts, log, start, meta, loss_fn,
-                tag="qat_clm")
-    ev = evaluate(model, accelerator, val_blocks, plan.micro_batch)
+    train_steps(accelerator, model, optimizer, cfg, plan, rows.train, rows.val, ckpts, log, start, meta, loss_fn,
+                tag="qat_clm", read_batch=rows.reader.batch, step_tokens=rows.reader.trained)
+    ev = evaluate(model, accelerator, rows.val, plan.micro_batch)
     log.write({"kind": "eval", "step": cfg.max_steps, "loss": ev, "ppl": math.exp(ev), "final": True, "fake_quant": True})
 
     # --- convert and save: the full weights (ZeRO shards gathered) into a fresh copy on the main rank ---
     state = accelerator.get_state_dict(model)
     if main_rank:
-        finish(cfg, spec, state, tokenizer, val_blocks, out)
+        finish(cfg, spec, state, tokenizer, rows, out)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0
 
 
-def finish(cfg, spec, state, tokenizer, val_blocks, out: Path) -> None:
+def finish(cfg, spec, state, tokenizer, data_rows, out: Path) -> None:
     import torch
 
     from hfscale.util.atomic import write_text_atomic
@@ -138,12 +141,12 @@ def finish(cfg, spec, state, tokenizer, val_blocks, out: Path) -> None:
     student = merge_lora(student).float().eval()
     qat = convert_qat_(student, spec)
     save_model_dir(qat, out / "quantized", tokenizer=tokenizer, force=True)
-    blocks = val_blocks
+    blocks = data_rows.val  # packed held-out micro batches: only their trained tokens are scored
     rows = {"float": perplexity(build_model(cfg.model, dtype=torch.float32), blocks), "qat": perplexity(qat, blocks)}
     if cfg.ptq_baseline:
         rows["ptq"] = perplexity(ptq_in_memory(cfg.model, spec), blocks)
     report = {"scheme": spec.scheme, "group_size": spec.group_size, "steps": cfg.max_steps, "lora_rank": cfg.lora_rank,
-              "distill": cfg.distill, "eval_tokens": int(blocks[:, 1:].numel()), "perplexity": rows,
+              "distill": cfg.distill, "eval_tokens": data_rows.val_trained, "perplexity": rows,
               "recovered": recovered(rows["float"], rows["ptq"], rows["qat"]) if "ptq" in rows else None}
     write_text_atomic(out / "quality.json", json.dumps(report, indent=1) + "\n")
     print(f"[qat_clm] saved {out / 'quantized'}; held-out perplexity over {report['eval_tokens']:,} tokens:")

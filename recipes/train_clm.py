@@ -41,13 +41,13 @@ def main(argv=None) -> int:
     try:
         config_path, overrides, force = parse_args(argv)
         from hfscale.train.config import load_recipe
-        from hfscale.train.loop import preflight
+        from hfscale.train.loop import prepare_data, preflight
 
         cfg = load_recipe(config_path, overrides)
         pre = preflight(cfg, force, source=config_path)
         check_adapter(cfg, pre)
         parallel = check_parallel(cfg, pre)
-        store = prepare_data(pre, rank)
+        store = prepare_data(pre, rank, "train_clm")
     except HfscaleError as e:
         if rank == 0:
             print(f"train_clm: error: {e}", file=sys.stderr)
@@ -58,18 +58,6 @@ def main(argv=None) -> int:
         return train(cfg, force, pre, parallel, store)
     except Exception as e:  # a preemption (75), a failed save (74), a resume the ranks disagree on (2); else re-raised
         return stopped(e, "train_clm", rank)
-
-
-def prepare_data(pre, rank: int):
-    """The token store, before any process group: every rank tokenizes a share, rank 0 merges (no rank waits
-    alone behind a barrier for the whole corpus); a store already there (same key) is reused at any world size."""
-    from hfscale.data.recipe import ready_store
-
-    store = ready_store(pre.data, rank, pre.launch.world)
-    if rank == 0:
-        for line in store.lines():
-            print(f"[train_clm] data: {line.strip()}", flush=True)
-    return store
 
 
 def check_parallel(cfg, pre):
@@ -99,8 +87,7 @@ def train(cfg, force, pre, parallel, store) -> int:
     from hfscale.scale.checkpointing import apply_checkpointing_
     from hfscale.scale.long_context import apply_levers_, with_levers
     from hfscale.scale.ulysses import per_layer_heads
-    from hfscale.data.dataset import MicroBatches, StepReader
-    from hfscale.data.recipe import run_datasets
+    from hfscale.data.recipe import run_rows
     from hfscale.train.loop import evaluate, lm_loss, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
     from hfscale.scale.adapters import adapter_param_groups, apply_adapter
@@ -123,11 +110,10 @@ def train(cfg, force, pre, parallel, store) -> int:
 
     # --- data: the token store's packed rows (labels masked, positions restarting per document), memory-mapped ---
     tokenizer = data.tokenizer  # the model's, with the built-in chat template for the tiny model (saved with it)
-    train_rows, val_rows = run_datasets(store, cfg.max_train_blocks, cfg.eval_blocks)
     # step s, micro a, rank r: the sampler's rows as one packed micro batch; the step's loss divides by its
     # trained-token count over every micro batch and rank, read from the store (no communication)
-    reader = StepReader(train_rows, plan, cfg.seed)
-    val_batches = MicroBatches(val_rows, plan.micro_batch)
+    rows = run_rows(store, plan, cfg.seed, cfg.max_train_blocks, cfg.eval_blocks)
+    train_rows, reader, val_batches, val_rows = rows.train, rows.reader, rows.val, rows.val.dataset
 
     # --- model: the base (NF4 for QLoRA), checkpointing and the levers on it, then the adapter (base frozen) ---
     spec = cfg.adapter_spec

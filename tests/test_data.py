@@ -423,3 +423,29 @@ def test_units_split_a_file_on_line_boundaries_and_name_the_line(tmp_path, monke
     with pytest.raises(HfscaleError, match=r"d.jsonl:322: not valid JSON"):
         for u in sources.units_of(sources.parse_sources(str(tmp_path / "d.jsonl"))):
             list(sources.records(u))
+
+
+def test_a_mixture_carries_sources_of_different_formats(tmp_path, tok):
+    """'text.jsonl,pc.jsonl': each source detected and masked by its own format (text: every token; plain
+    prompt/completion: the completion only), one bfd packing over both, per-source counts in the manifest; two
+    formats inside one source are still refused."""
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps({"text": f"document {i} about lists."}) + "\n" for i in range(8)))
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"prompt": f"Question {i}: what is a list?",
+                                                           "completion": " A mutable sequence."}) + "\n" for i in range(8)))
+    info = prepare(f"{tmp_path / 'text.jsonl'},{tmp_path / 'pc.jsonl'}", tok.tokenizer,
+                   DataOptions(seq_len=64, heldout=0.0), tmp_path / "store")
+    assert (info.options["format"], info.options["packing"]) == ("mixed", "bfd")
+    text, pc = info.sources
+    assert (text.format, text.train_on, pc.format, pc.train_on) == ("text", "all", "prompt_completion", "completion")
+    assert text.documents == (0, 8) and pc.documents == (8, 16) and text.examples == pc.examples == 8
+    st = TokenStore(info.path)
+    completion = len(tok.tokenizer(" A mutable sequence.", add_special_tokens=False)["input_ids"]) + 1  # + EOS
+    assert text.trained == text.tokens - 8  # every token but each document's first
+    assert pc.trained == 8 * completion < pc.tokens - 8  # the prompts untrained
+    assert text.trained + pc.trained == info.splits["train"].trained == int(np.asarray(st.row_trained).sum())
+    assert "source 1" in "\n".join(info.lines()) and "prompt_completion, train_on completion" in "\n".join(info.lines())
+    with open(tmp_path / "pc.jsonl", "a") as f:
+        f.write(json.dumps({"text": "a text record in the prompt/completion file"}) + "\n")
+    with pytest.raises(HfscaleError, match="pc.jsonl:9 holds text data but .*pc.jsonl:1 holds prompt_completion"):
+        prepare(f"{tmp_path / 'text.jsonl'},{tmp_path / 'pc.jsonl'}", tok.tokenizer, DataOptions(seq_len=64, heldout=0.0),
+                tmp_path / "store2")

@@ -56,8 +56,7 @@ def test_distill_zero2_two_processes_kill_resume_save(tmp_path, pair):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hfscale.data.corpus import load_text, packed_blocks
-    from hfscale.models import load_tokenizer
+    from hfscale.models.loss import lm_loss, trained_tokens
     from hfscale.train.metrics import read_records
     from hfscale.train.state import saved_numel
 
@@ -83,10 +82,13 @@ def test_distill_zero2_two_processes_kill_resume_save(tmp_path, pair):
     # the consolidated save is the whole student and scores what the run scored
     assert saved_numel(out / "model")[0] == n_student
     back = AutoModelForCausalLM.from_pretrained(out / "model").eval()
-    val = packed_blocks(load_tokenizer(student), load_text()["validation"]["text"], 64)[:8]
+    from test_qat_recipe import held_out
+
+    val = held_out(student, "builtin", 8)  # the run's token store: its first 8 held-out rows, packed
     with torch.no_grad():
-        ce = sum(back(input_ids=val[i : i + 2], labels=val[i : i + 2]).loss.item() for i in range(0, 8, 2)) / 4
+        ce = sum(float(lm_loss(back, b, 1)) for b in val) / sum(int(trained_tokens(b["labels"])) for b in val)
     assert abs(ce - ev[4]["loss"]) < 1e-3
+    assert report["eval_tokens"] == sum(int(trained_tokens(b["labels"])) for b in val)
 
 
 def test_distill_refuses_bad_pairs(tmp_path, pair):

@@ -1,5 +1,6 @@
 """recipes/qat_clm.py for real: 2 processes under ZeRO-2 (accelerate launch + DeepSpeed over gloo),
-fine-tuning the trained tiny Gemma 3 against the 8da4w grid, converting, saving and reporting."""
+fine-tuning the trained tiny Gemma 3 against the 8da4w grid, converting, saving and reporting; the data through
+train_clm's token store (text here, chat with its masks in the 1-process run)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,6 @@ def test_qat_recipe_zero2_two_processes(tmp_path, trained):
     from transformers import AutoModelForCausalLM
 
     from hfscale.compress.evaluate import perplexity
-    from hfscale.data.corpus import load_text, packed_blocks
-    from hfscale.models import load_tokenizer
     from hfscale.proofs.engine import free_port
     from hfscale.train.metrics import read_records
 
@@ -63,27 +62,49 @@ def test_qat_recipe_zero2_two_processes(tmp_path, trained):
     assert sorted(read_records(out / "metrics.jsonl")) == [1, 2, 3, 4]
     report = json.loads((out / "quality.json").read_text())
     ppl = report["perplexity"]
-    assert set(ppl) == {"float", "ptq", "qat"} and report["eval_tokens"] == 8 * 63
+    val = held_out(trained, "builtin", 8)
+    # the store's first 8 held-out rows (text, wrapped): every token but each segment's first is scored
+    assert set(ppl) == {"float", "ptq", "qat"} and report["eval_tokens"] == trained_in(val) > 8 * 60
     assert ppl["ptq"] != ppl["qat"]  # the converted weights are the trained ones, not a PTQ of the start
     # what was saved is what was scored: reload and recompute on the same held-out blocks
     back = AutoModelForCausalLM.from_pretrained(out / "quantized").eval()
     assert type(back.model.layers[1].self_attn.o_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
-    val = packed_blocks(load_tokenizer(trained), load_text()["validation"]["text"], 64)[:8]
     assert abs(perplexity(back, val) - ppl["qat"]) < 1e-6 * ppl["qat"]
     assert "PTQ loss recovered by QAT" in text
     with torch.no_grad():
-        assert torch.isfinite(back(input_ids=val[:1]).logits).all()
+        assert torch.isfinite(back(input_ids=val[0]["input_ids"][:1]).logits).all()
+
+
+def held_out(model: str, data: str, rows: int, **options) -> list:
+    """The run's held-out micro batches (2 rows each), from its token store (the same key: reused, not rebuilt)."""
+    from hfscale.data import PackedDataset
+    from hfscale.data.dataset import MicroBatches
+    from hfscale.data.recipe import check_data, ready_store
+    from hfscale.data.store import DataOptions
+    from hfscale.util.cache import cache_root
+
+    store = ready_store(check_data(data, model, DataOptions(64, **options), cache_root()), 0, 1)
+    return list(MicroBatches(PackedDataset(store.path, "validation", limit=rows), 2))
+
+
+def trained_in(batches) -> int:
+    return sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
 
 
 def test_qat_recipe_lora_and_distillation_in_one_process(tmp_path, trained):
     """The recipe also runs without a launcher (1 process): LoRA adapters on the fake-quantized base,
-    half the loss from the teacher's probabilities; the adapters are merged before convert."""
+    half the loss from the teacher's probabilities; the adapters are merged before convert. On the built-in chat
+    set through the token store: assistant turns trained, the rest masked (train_clm's data path)."""
     from safetensors import safe_open
 
-    out = tmp_path / "qat_lora"
-    r = subprocess.run([sys.executable, str(RECIPE), "--config", str(QAT_YAML), "--model", trained, "--output-dir", str(out),
+    import shutil
+
+    out, model = tmp_path / "qat_lora", tmp_path / "trained_with_template"
+    shutil.copytree(trained, model)  # the trained fixture, given the built-in chat template (as train_clm saves it)
+    shutil.copy(ROOT / "hfscale" / "models" / "data" / "chat_template.jinja", model / "chat_template.jinja")
+    r = subprocess.run([sys.executable, str(RECIPE), "--config", str(QAT_YAML), "--model", str(model), "--output-dir", str(out),
                         "--scheme", "int4wo", "--group-size", "0", "--lora-rank", "4", "--distill", "0.5", "--max-steps", "2",
-                        "--lr", "1e-2", *FAST], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                        "--lr", "1e-2", *FAST, "--data", "builtin-chat", "--overflow", "split"], capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "(LoRA r=4)" in r.stdout and "distill 0.5" in r.stdout
@@ -94,6 +115,11 @@ def test_qat_recipe_lora_and_distillation_in_one_process(tmp_path, trained):
     assert not any("lora" in k for k in keys)  # merged into the base, then quantized
     report = json.loads((out / "quality.json").read_text())
     assert report["lora_rank"] == 4 and report["distill"] == 0.5 and report["group_size"] == 0
+    assert "[qat_clm] data: train: 1,597 examples" in r.stdout and "format messages, train_on assistant" in r.stdout
+    val = held_out(str(model), "builtin-chat", 8, overflow="split")
+    # scored: the assistant turns of the 8 held-out rows only (user turns and template masked out: ~2/3 of the
+    # chat set's tokens train; text would score every token but each segment's first, > 60 of 63 per row)
+    assert report["eval_tokens"] == trained_in(val) < 0.8 * 8 * 63
 
 
 def test_qat_schedule_decays_to_zero_pretraining_does_not():

@@ -378,12 +378,80 @@ def assert_trained_saved_reloads(out: Path, log: str, distributed: str, steps: i
     assert abs(eval_loss_of_saved(out / "model", **(data or {})) - final["loss"]) < 1e-3
 
 
+FORMATS = {"chat": "messages", "pc": "prompt_completion", "tok": "tokenized", "text": "text"}
+
+
+def write_four_formats(directory: Path) -> str:
+    """One small file per format, made from the built-in sets (~14k tokens: under FAST's 400-row limit, so every
+    source reaches the sampler): 30 conversations, 30 plain prompt/completion pairs (first user turn, first
+    answer), 30 pre-tokenized examples with labels (-100 over the prompt), 3 text documents. Returns the mixture
+    'chat,pc,tok,text' as --data takes it (each source its own format, train_on and overflow defaults)."""
+    from hfscale.data.formats import Tok, data_tokenizer, encode
+    from hfscale.data.sources import BUILTIN, BUILTIN_CHAT, Unit, builtin_files, records
+
+    tok = Tok.of(data_tokenizer("tiny-gemma3"))
+    chats = [r for _, r in records(Unit(0, str(builtin_files(BUILTIN_CHAT)["train"])))][:90]
+    pairs = [{"prompt": c["messages"][0]["content"], "completion": c["messages"][1]["content"]} for c in chats[30:]]
+    tokenized = []
+    for i, r in enumerate(pairs[30:]):
+        e = encode(r, "prompt_completion", tok, "completion", str(i))
+        tokenized.append({"input_ids": e.ids, "labels": [t if m else -100 for t, m in zip(e.ids, e.mask)]})
+    texts = [r for _, r in records(Unit(0, str(builtin_files(BUILTIN)["train"])))][:3]
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, recs in (("chat", chats[:30]), ("pc", pairs[:30]), ("tok", tokenized), ("text", texts)):
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return ",".join(str(directory / f"{name}.jsonl") for name in FORMATS)
+
+
+def assert_trains_four_formats(log: str, data: str, indices_dir: Path, overflow: str = "split") -> None:
+    """The recipe's data lines name each source's detected format and default mask, and the rows the run read
+    (indices.jsonl, every rank) hold trained tokens of every source: chat, prompt/completion and pre-tokenized
+    data train their masked share only, text every token but each segment's first."""
+    import numpy as np
+
+    from hfscale.data import TokenStore
+    from hfscale.data.recipe import check_data, ready_store
+    from hfscale.data.store import DataOptions
+    from hfscale.util.cache import cache_root
+
+    assert f"format mixed, train_on per source, packing bfd, overflow {overflow}, seq_len 64" in log
+    lines = re.findall(r"source (\d) \S+/(\w+)\.jsonl \(weight 1\): (\w+), train_on (\w+), overflow \w+: (\d+) examples, "
+                       r"([\d,]+) tokens in rows, ([\d,]+) trained", log)
+    got = {name: (fmt, on, int(tokens.replace(",", "")), int(trained.replace(",", "")))
+           for _, name, fmt, on, _, tokens, trained in lines}
+    assert {k: v[:2] for k, v in got.items()} == {"chat": ("messages", "assistant"), "pc": ("prompt_completion", "completion"),
+                                                  "tok": ("tokenized", "all"), "text": ("text", "all")}, lines
+    for name in ("chat", "pc", "tok"):  # prompts / user turns masked out: measured 66-75% trained
+        assert 0 < got[name][3] < 0.9 * got[name][2], (name, got[name])
+    assert got["text"][3] > 0.95 * got["text"][2]  # 64-token segments: 1 of 64 untrained
+    store = ready_store(check_data(data, "tiny-gemma3", DataOptions(64, overflow=overflow), cache_root()), 0, 1)
+    st = TokenStore(store.path, "train", expect_key=store.key)
+    rows = sorted({i for idx in read_indices(indices_dir).values() for i in idx})
+    trained = dict.fromkeys(FORMATS, 0)
+    for r in rows:
+        _, labels, pos = st.row(r)
+        starts = np.flatnonzero(pos == 0).tolist() + [len(pos)]
+        for (doc, _), a, b in zip(st.segments[st.row_ptr[r]:st.row_ptr[r + 1]].tolist(), starts, starts[1:]):
+            name = next(n for n, s in zip(FORMATS, store.sources) if s.documents[0] <= doc < s.documents[1])
+            trained[name] += int((labels[a:b] != -100).sum())
+    assert sum(trained.values()) == sum(int(st.row_trained[r]) for r in rows)  # the recipe's step count, per source
+    assert all(v > 0 for v in trained.values()), trained
+
+
 @pytest.fixture(scope="module")
-def uninterrupted_run(tmp_path_factory):
-    """ZeRO-2, 2 ranks, 8 steps, every checkpoint kept, the sequences each rank read recorded: (dir, records)."""
+def four_formats(tmp_path_factory) -> list:
+    """--data args of the four-format mixture (shared by the ZeRO-2 and DDP launches: one store, prepared once)."""
+    return ["--data", write_four_formats(tmp_path_factory.mktemp("four")), "--overflow", "split"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory, four_formats):
+    """ZeRO-2, 2 ranks, 8 steps, every checkpoint kept, the sequences each rank read recorded, on the four-format
+    mixture: (dir, records, log, data args)."""
     out = tmp_path_factory.mktemp("ref") / "run"
-    _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "4", fault=f"record@{out.parent}")
-    return out, read_records(out / "metrics.jsonl"), log
+    _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "4", *four_formats,
+                    fault=f"record@{out.parent}")
+    return out, read_records(out / "metrics.jsonl"), log, four_formats
 
 
 @pytest.fixture(scope="module")
@@ -393,8 +461,10 @@ def uninterrupted(uninterrupted_run):
 
 @pytest.mark.engine
 def test_zero2_trains_saves_and_reloads(uninterrupted_run):
-    out, _, log = uninterrupted_run
-    assert_trained_saved_reloads(out, log, "DEEPSPEED", steps=8, keep=4, every=2)
+    """ZeRO-2 on 2 ranks trains each format (chat, prompt/completion, pre-tokenized, text: one mixture)."""
+    out, _, log, data = uninterrupted_run
+    assert_trains_four_formats(log, data[1], out.parent)
+    assert_trained_saved_reloads(out, log, "DEEPSPEED", steps=8, keep=4, every=2, data={"data": data[1], "overflow": "split"})
 
 
 def assert_same_trajectory(resumed: dict, reference: dict):
@@ -407,26 +477,27 @@ def assert_same_trajectory(resumed: dict, reference: dict):
 
 
 @pytest.mark.engine
-def test_resume_after_kill_9_of_one_rank(tmp_path, uninterrupted):
+def test_resume_after_kill_9_of_one_rank(tmp_path, uninterrupted, four_formats):
     out = tmp_path / "run"
-    rc, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2",
+    rc, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", *four_formats,
                      fault="kill@step:5:1", check=False)  # SIGKILL rank 1 after step 5
     assert rc != 0
     assert max(read_records(out / "metrics.jsonl")) in (5, 6)  # rank 0 may log one more step before it notices
     assert [p.name for p in sorted((out / "checkpoints").iterdir()) if not p.name.startswith(STAGE_PREFIX)] == \
         ["step_00000002", "step_00000004"]
-    _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest")
+    _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest",
+                    *four_formats)
     assert "resumed from" in log and "at step 4" in log
     assert_same_trajectory(read_records(out / "metrics.jsonl"), uninterrupted)
 
 
 @pytest.mark.engine
-def test_kill_during_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, uninterrupted, four_formats):
     """The save a stop request starts (SIGUSR1 to rank 0 after step 4: every rank stops after step 5 and saves it,
     a step --save-every 2 never saves) is SIGKILLed on rank 1 after it wrote its shard: the previous checkpoint
     stays usable and --resume latest continues from it on the uninterrupted trajectory."""
     out = tmp_path / "run"
-    rc, _ = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2",
+    rc, _ = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", *four_formats,
                    fault="usr1@step:4:0,kill@save:5:1", check=False)  # rank 1 dies after writing its shard
     assert rc != 0
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -437,7 +508,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
     from hfscale.train.state import damage
 
     assert damage(out / "checkpoints" / "step_00000004") is None  # every file as its manifest says
-    _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest")
+    _, log = launch("zero2.yaml", out, "--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest",
+                    *four_formats)
     assert f"removed the interrupted save {names[0]}" in log and "at step 4" in log
     assert_same_trajectory(read_records(out / "metrics.jsonl"), uninterrupted)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
@@ -570,14 +642,14 @@ def test_zero2_fallback_2_to_1_sigusr1_then_1_to_2(tmp_path, uninterrupted_run):
     """From the uninterrupted ZeRO-2 run's step 2 and 4 checkpoints, step 4 bit-flipped: 1 rank falls back to step 2
     (universal: saved by 2 ranks), SIGUSR1 stops it at a step boundary with a checkpoint and status 75; 2 ranks
     resume that (universal again: saved by 1 rank) to step 8, on the uninterrupted trajectory and data."""
-    ref_out, ref, _ = uninterrupted_run
+    ref_out, ref, _, four_formats = uninterrupted_run
     out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     for name in ("step_00000002", "step_00000004"):
         shutil.copytree(ref_out / "checkpoints" / name, ck / name)
     # bf16_zero_pp_... under bf16, zero_pp_... in fp32 (where the host emulates bf16: precision auto)
     optim = next((ck / "step_00000004" / "pytorch_model").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     flip_byte(optim)
-    args = ["--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest"]
+    args = ["--max-steps", "8", "--save-every", "2", "--keep-last", "2", "--resume", "latest", *four_formats]
     rc, log = launch("zero2.yaml", out, *args, procs=1, fault=f"record@{tmp_path}", signal_after=4, check=False)
     assert rc == 128 + 10, log[-3000:]  # the launcher: SIGUSR1, after waiting for the ranks
     assert (tmp_path / "exit_rank0.txt").read_text() == "75"  # the rank: preempted, checkpoint saved
@@ -647,22 +719,21 @@ def test_zero3_2_to_1_to_2_ranks(tmp_path):
     assert_export_matches_zero_to_fp32(ck / f"step_{stopped:08d}", tmp_path / "export1")
 
 
-CHAT = ["--data", "builtin-chat", "--overflow", "split"]
-
-
 @pytest.mark.engine
-def test_ddp_2_to_1_rank(tmp_path):
-    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same rows per step. On the built-in chat
-    set, so this is also the packed chat run resumed 2 -> 1 that reads exactly the uninterrupted run's rows, and the
-    2-rank reference shows the recipe trains chat data, saves and reloads under DDP (MULTI_CPU)."""
+def test_ddp_2_to_1_rank(tmp_path, four_formats):
+    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same rows per step. On the four-format
+    mixture (chat among them), so this is also the packed chat run resumed 2 -> 1 that reads exactly the
+    uninterrupted run's rows, and the 2-rank reference shows the recipe trains each format, saves and reloads under
+    DDP (MULTI_CPU)."""
+    CHAT = four_formats
     ref = tmp_path / "ref"
     _, log = launch("ddp.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "2", *CHAT, fault=f"record@{tmp_path}")
-    # the built-in chat set: rendered by the template, assistant turns trained, bfd-packed rows (issue 36)
-    assert "format messages, train_on assistant, packing bfd, overflow split, seq_len 64" in log
-    assert re.search(r"train: 1,597 examples, [\d,]+ tokens, [\d,]+ trained \(\d+\.\d%\), truncated 0 / dropped \d+ / "
+    # each source rendered / masked by its own format, bfd-packed rows (issue 36)
+    assert re.search(r"train: \d+ examples, [\d,]+ tokens, [\d,]+ trained \(\d+\.\d%\), truncated 0 / dropped \d+ / "
                      r"split \d+", log)
+    assert_trains_four_formats(log, CHAT[1], tmp_path)
     assert_trained_saved_reloads(ref, log, "MULTI_CPU", steps=6, keep=2, every=2,  # step 2's checkpoint removed
-                                 data={"data": "builtin-chat", "overflow": "split"})
+                                 data={"data": CHAT[1], "overflow": "split"})
     (tmp_path / "indices.jsonl").rename(tmp_path / "ref_indices.jsonl")
     out = tmp_path / "run"
     shutil.copytree(ref / "checkpoints" / "step_00000004", out / "checkpoints" / "step_00000004")

@@ -60,6 +60,29 @@ def ready_store(run: RunData, rank: int, world: int) -> StoreInfo:
     return prepare(run.data, run.tokenizer, run.options, run.store, rank=rank, world=world)
 
 
+@dataclass(frozen=True)
+class RunRows:
+    """What a recipe's loop reads from the store: the train rows, the StepReader handing each step's packed micro
+    batches and trained-token count (hfscale.train.loop.train_steps' read_batch / step_tokens), and the held-out
+    rows as packed micro batches (loop.evaluate, compress.evaluate.score)."""
+    train: object  # PackedDataset
+    reader: object  # StepReader
+    val: object  # MicroBatches
+
+    @property
+    def val_trained(self) -> int:
+        """Trained tokens of the held-out rows: what an evaluation scores."""
+        return self.val.dataset.trained_tokens(range(len(self.val.dataset)))
+
+
+def run_rows(info: StoreInfo, plan, seed: int, train_rows: int = 0, eval_rows: int = 0) -> RunRows:
+    """The store's rows as train_clm, qat_clm and distill_clm read them (`plan`: hfscale.data.sampler's batch plan)."""
+    from .dataset import MicroBatches, StepReader
+
+    train, val = run_datasets(info, train_rows, eval_rows)
+    return RunRows(train, StepReader(train, plan, seed), MicroBatches(val, plan.micro_batch))
+
+
 def run_datasets(info: StoreInfo, train_rows: int = 0, eval_rows: int = 0):
     """(train, validation) PackedDatasets of the store, limited to the first rows where asked (0: all)."""
     from .dataset import PackedDataset

@@ -25,7 +25,8 @@ Building (`prepare`): the input is cut into work units that depend on the files 
 renames the store into place; the other ranks wait for its manifest. No accelerate, no process group: ranks
 coordinate through renames on the shared file system, so the store is the same bytes at any world size and a
 part finished before a kill -9 is reused by the next attempt. Memory holds one unit (<= 32 MiB of input) per
-rank, then the document lengths at the merge; reading maps the files.
+rank, then at the merge (rank 0) the document lengths and the packing: a few int64 arrays of (documents + rows)
+entries, ~0.9 bytes per token at seq_len 256 (benchmarks/data_pipeline.md (b), 4 GB of text); reading maps the files.
 """
 
 from __future__ import annotations
@@ -82,11 +83,16 @@ class DataOptions:
         if not 0.0 <= self.heldout < 1.0:
             raise ConfigError(f"heldout must be in [0, 1) (got {self.heldout})")
 
-    def resolved(self, fmt: str) -> dict:
+    def resolved(self, fmt: str, packing: str | None = None) -> dict:
+        """The options of one format's data; `packing`: the store's where its sources hold several formats."""
         text = fmt in ("text", "tokenized")
         return {"format": fmt, "train_on": self.train_on or formats.DEFAULT_TRAIN_ON[fmt],
-                "packing": self.packing or ("wrapped" if text else "bfd"),
+                "packing": self.packing or packing or ("wrapped" if text else "bfd"),
                 "overflow": self.overflow or ("split" if text else "truncate"), "seq_len": self.seq_len}
+
+    def store_packing(self, fmts) -> str:
+        """One packing for the whole store: as given, else wrapped where every source is text-like, else bfd."""
+        return self.packing or ("wrapped" if set(fmts) <= {"text", "tokenized"} else "bfd")
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,21 @@ class SplitStats:
 
 
 @dataclass(frozen=True)
+class SourceStats:
+    """One source of a mixture in the train split: its format and options, its documents [first, end) (a source's
+    documents are contiguous: units go in source order), and what its segments put in the rows (weights applied)."""
+    path: str
+    weight: float
+    format: str
+    train_on: str
+    overflow: str
+    examples: int
+    documents: tuple
+    tokens: int
+    trained: int
+
+
+@dataclass(frozen=True)
 class StoreInfo:
     """What `prepare` made or `open_store` found: the manifest, typed."""
     path: Path
@@ -117,6 +138,8 @@ class StoreInfo:
     splits: dict = field(default_factory=dict)  # split -> SplitStats
     bytes: int = 0
     reused: bool = False
+    sources: tuple = ()  # SourceStats of a mixture's sources (train split); empty for one source
+
 
     def lines(self) -> list[str]:
         o = self.options
@@ -126,6 +149,10 @@ class StoreInfo:
             out.append(f"  {name}: {s.examples:,} examples, {s.tokens:,} tokens, {s.trained:,} trained "
                        f"({s.trained_share:.1%}), truncated {s.truncated:,} / dropped {s.dropped:,} / split {s.split:,}; "
                        f"{s.rows:,} rows, packing efficiency {s.efficiency:.1%}")
+        for i, s in enumerate(self.sources):
+            out.append(f"  source {i} {s.path} (weight {s.weight:g}): {s.format}, train_on {s.train_on}, overflow "
+                       f"{s.overflow}: {s.examples:,} examples, {s.tokens:,} tokens in rows, {s.trained:,} trained "
+                       f"({s.trained / max(s.tokens, 1):.1%})")
         tokens = sum(s.tokens for s in self.splits.values())
         out.append(f"  {self.bytes / 1e6:,.1f} MB on disk, {self.bytes / max(tokens, 1):.2f} bytes per token")
         return out
@@ -187,15 +214,16 @@ def prepare(data, tokenizer, opts: DataOptions, out, rank: int = 0, world: int =
     started = time.time()
     try:
         tok = formats.Tok.of(tokenizer)
+        store_packing = opts.store_packing(source_formats(units, opts))
         for i in range(rank, len(jobs), world):
             part = work / f"part-{i:06d}"
             if not part.is_dir():  # a part finished by an earlier, killed attempt is complete (renamed) and reused
-                _write_part(part, jobs[i][0], jobs[i][1], tok, opts, vfile is None, len(tokenizer))
+                _write_part(part, jobs[i][0], jobs[i][1], tok, opts, vfile is None, len(tokenizer), store_packing)
             for hook in FAULT_HOOKS:
                 hook("part", i, rank)
         if rank == 0:
             _wait(lambda: all((work / f"part-{i:06d}").is_dir() for i in range(len(jobs))), work, started, poll_s)
-            info = _merge(work, jobs, sources, out, key, opts, len(tokenizer), log)
+            info = _merge(work, jobs, sources, out, key, opts, len(tokenizer), log, store_packing)
             shutil.rmtree(work, ignore_errors=True)
             return info
         _wait(lambda: _manifest_key(out) == key, work, started, poll_s)
@@ -207,6 +235,20 @@ def prepare(data, tokenizer, opts: DataOptions, out, rank: int = 0, world: int =
             raise StoreWriteError(f"writing the token store {out} failed ({cause.strerror}); nothing half-written is left: "
                                   "free space or choose another --out") from None
         raise
+
+
+def source_formats(units, opts: DataOptions) -> list[str]:
+    """Each source's format (`format:` where given, else its first record's columns), read before any part is
+    written: the store's packing depends on them, and a part's overflow on the packing."""
+    if opts.format:
+        return [opts.format]
+    found: dict[int, str] = {}
+    for u in units:
+        if u.source not in found:
+            for where, rec in src_mod.records(u):
+                found[u.source] = formats.detect(rec.keys(), where)
+                break
+    return list(found.values())
 
 
 def _reusable(out: Path, key: str, force: bool) -> StoreInfo | None:
@@ -261,7 +303,8 @@ def _heldout(record: dict, frac: float) -> bool:
     return frac > 0 and xxhash.xxh3_64_intdigest(json.dumps(record, sort_keys=True, default=str).encode()) % 1_000_000 < frac * 1e6
 
 
-def _write_part(part: Path, unit, split: str, tok, opts: DataOptions, hold_out: bool, vocab: int) -> None:
+def _write_part(part: Path, unit, split: str, tok, opts: DataOptions, hold_out: bool, vocab: int,
+                store_packing: str | None = None) -> None:
     from ..util.atomic import staged
 
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
@@ -288,7 +331,7 @@ def _write_part(part: Path, unit, split: str, tok, opts: DataOptions, hold_out: 
         got = opts.format or formats.detect(rec.keys(), where)
         if fmt is None:
             fmt, first = got, where
-            resolved = opts.resolved(fmt)
+            resolved = opts.resolved(fmt, store_packing)
             if fmt in ("messages",) or (fmt == "prompt_completion" and isinstance(rec.get("prompt"), list)):
                 if not tok.has_template:
                     formats.encode(rec, fmt, tok, resolved["train_on"], where)  # raises the one-line refusal
@@ -307,7 +350,7 @@ def _write_part(part: Path, unit, split: str, tok, opts: DataOptions, hold_out: 
         for s, a in acc.items():
             a.write(stage, s, dtype)
         (stage / "stats.json").write_text(json.dumps({"format": fmt, "source": unit.source, "file": unit.file,
-                                                      "splits": {s: a.stats for s, a in acc.items()}}))
+                                                      "resolved": resolved, "splits": {s: a.stats for s, a in acc.items()}}))
 
 
 class _Acc:
@@ -367,37 +410,46 @@ def save(path: Path, arr) -> None:
         np.save(_Plain(f), arr)
 
 
-def _merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, vocab: int, log) -> StoreInfo:
+def _merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, vocab: int, log,
+           store_packing: str | None = None) -> StoreInfo:
     from ..util.atomic import staged
     from ..util.hashing import files_of, hash_file
 
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     parts = [work / f"part-{i:06d}" for i in range(len(jobs))]
     stats = [json.loads((p / "stats.json").read_text()) for p in parts]
-    seen = {}  # format -> the first file holding it
-    for st in stats:
+    seen: dict = {}  # source (or "validation", a held-out file) -> {format: the first file holding it}
+    for (_, split), st in zip(jobs, stats):
         if st["format"]:
-            seen.setdefault(st["format"], st["file"])
-    if len(seen) > 1:
-        (f1, p1), (f2, p2) = list(seen.items())[:2]
-        raise HfscaleError(f"mixed formats: {p1} holds {f1} data, {p2} holds {f2}; one format per store (prepare them "
-                           "apart, or convert)")
+            seen.setdefault(st["source"] if split == "train" else split, {}).setdefault(st["format"], st["file"])
+    for fmts in seen.values():
+        if len(fmts) > 1:
+            (f1, p1), (f2, p2) = list(fmts.items())[:2]
+            raise HfscaleError(f"mixed formats: {p1} holds {f1} data, {p2} holds {f2}; one format per source (give them "
+                               "as separate sources of a mixture, 'a.jsonl,b.jsonl', or convert)")
+    train_fmts = {s: next(iter(f)) for s, f in seen.items() if s != "validation"}
     if not seen:
         raise HfscaleError("the data holds no examples (empty files?); pass files with at least one record")
-    fmt = next(iter(seen))
-    resolved = opts.resolved(fmt)
+    kinds = set(train_fmts.values()) | set(seen.get("validation", {}))
+    if len(kinds) == 1:
+        resolved = opts.resolved(kinds.pop(), store_packing)
+    else:  # each source its own format, train_on and overflow (the parts applied them); one packing
+        resolved = {"format": "mixed", "train_on": opts.train_on or "per source", "packing": store_packing,
+                    "overflow": opts.overflow or "per source", "seq_len": opts.seq_len}
+    per_source = {}
     splits = {}
     with staged(out, directory=True) as stage:
         for split in SPLITS:
             d = stage / split
             d.mkdir()
-            lens, spans, weights, base = [], [], [], 0
+            lens, spans, weights, doc_source, base = [], [], [], [], 0
             with open(d / "tokens.bin", "wb") as f:
                 for p, st in zip(parts, stats):
                     with open(p / f"{split}.tok", "rb") as g:
                         shutil.copyfileobj(g, f, 8 << 20)
                     ln = np.load(p / f"{split}.len.npy")
                     lens.append(ln)
+                    doc_source.append(np.full(len(ln), st["source"]))
                     spans.append(np.load(p / f"{split}.span.npy") + base)
                     weights.append(np.full(len(ln), sources[st["source"]].weight if split == "train" else 1.0))
                     base += int(ln.sum())
@@ -413,8 +465,11 @@ def _merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, vo
             packed = packing.pack(lens, opts.seq_len, resolved["packing"], order)
             save(d / "segments.npy", packed.segments[:, :2])  # lengths follow: min(rest of the document, rest of the row)
             save(d / "row_ptr.npy", packed.row_ptr)
-            trained = row_trained(packed, docs, None if all_trained else spans)
+            per_seg = segment_trained(packed, docs, None if all_trained else spans)
+            trained = _row_sums(packed, per_seg)
             save(d / "row_trained.npy", trained)
+            if split == "train" and len(sources) > 1:
+                per_source = _source_stats(sources, train_fmts, stats, jobs, np.concatenate(doc_source), packed, per_seg)
             c = {k: sum(st["splits"][split][k] for st in stats) for k in ("examples", "truncated", "dropped", "split")}
             splits[split] = SplitStats(documents=len(lens), tokens=packed.tokens, trained=int(trained.sum()),
                                        rows=packed.rows, efficiency=round(packed.efficiency, 6), **c)
@@ -427,7 +482,8 @@ def _merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, vo
         files = {n: list(hash_file(stage / n)) for n in files_of(stage)}
         manifest = {"version": STORE_VERSION, "key": key, "options": resolved, "given": asdict(opts),
                     "dtype": np.dtype(dtype).name, "vocab": vocab, "all_trained": {},
-                    "splits": {k: asdict(v) for k, v in splits.items()}, "files": files}
+                    "splits": {k: asdict(v) for k, v in splits.items()}, "files": files,
+                    "sources": [asdict(v) for v in per_source.values()]}
         manifest["all_trained"] = {s: not (stage / s / "spans.npy").exists() for s in SPLITS}
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=1))
         for hook in FAULT_HOOKS:
@@ -438,12 +494,38 @@ def _merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, vo
 def row_trained(packed, docs: np.ndarray, spans: np.ndarray | None) -> np.ndarray:
     """Tokens with a label per row: every trained token of a segment but its first (no token is predicted across
     a document boundary)."""
+    return _row_sums(packed, segment_trained(packed, docs, spans))
+
+
+def segment_trained(packed, docs: np.ndarray, spans: np.ndarray | None) -> np.ndarray:
+    """Tokens with a label per segment (its first token never has one)."""
     seg = packed.segments.astype(np.int64)
     a = docs[seg[:, 0]] + seg[:, 1] + 1
     b = docs[seg[:, 0]] + seg[:, 1] + seg[:, 2]
-    per_seg = np.maximum(b - a, 0) if spans is None else _trained_before(spans, b) - _trained_before(spans, a)
+    return np.maximum(b - a, 0) if spans is None else _trained_before(spans, b) - _trained_before(spans, a)
+
+
+def _row_sums(packed, per_seg: np.ndarray) -> np.ndarray:
     cum = np.concatenate([[0], np.cumsum(per_seg)])
     return (cum[packed.row_ptr[1:]] - cum[packed.row_ptr[:-1]]).astype(np.int32)
+
+
+def _source_stats(sources, fmts: dict, stats, jobs, doc_source: np.ndarray, packed, per_seg) -> dict:
+    """SourceStats of the train split per source of a mixture: examples from the parts, tokens and trained tokens
+    from the packed segments (a weight-2 source's documents counted twice, as the rows hold them)."""
+    seg_src = doc_source[packed.segments[:, 0]] if len(doc_source) else np.zeros(0, np.int64)
+    n = len(sources)
+    tokens = np.bincount(seg_src, weights=packed.segments[:, 2], minlength=n)
+    trained = np.bincount(seg_src, weights=per_seg, minlength=n)
+    ends = np.concatenate([[0], np.cumsum(np.bincount(doc_source, minlength=n))]) if len(doc_source) else np.zeros(n + 1)
+    out = {}
+    for i, s in enumerate(sources):
+        res = next((st["resolved"] for (_, sp), st in zip(jobs, stats) if sp == "train" and st["source"] == i
+                    and st.get("resolved")), None) or {"train_on": "", "overflow": ""}
+        examples = sum(st["splits"]["train"]["examples"] for (_, sp), st in zip(jobs, stats) if sp == "train" and st["source"] == i)
+        out[i] = SourceStats(s.path, s.weight, fmts.get(i, "empty"), res["train_on"], res["overflow"], examples,
+                             (int(ends[i]), int(ends[i + 1])), int(tokens[i]), int(trained[i]))
+    return out
 
 
 def _trained_before(spans: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -495,7 +577,8 @@ def open_info(path, reused: bool = False, full: bool = False) -> StoreInfo:
     m = verify(path, full)
     return StoreInfo(path, m["key"], m["options"], m["dtype"], m["vocab"],
                      {k: SplitStats(**v) for k, v in m["splits"].items()},
-                     sum(v[0] for v in m["files"].values()) + (path / MANIFEST).stat().st_size, reused)
+                     sum(v[0] for v in m["files"].values()) + (path / MANIFEST).stat().st_size, reused,
+                     tuple(SourceStats(**{**v, "documents": tuple(v["documents"])}) for v in m.get("sources", ())))
 
 
 class TokenStore:

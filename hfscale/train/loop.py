@@ -191,16 +191,17 @@ def start_run(cfg, force: bool, pre: Preflight, tag: str):
     return accelerator
 
 
-def load_blocks(cfg, tokenizer, data=None):
-    """Train and held-out blocks of token ids (bos ... eos per document, wrapped to seq_len): the text path of the
-    QAT and distillation recipes. train_clm reads a token store's rows (hfscale.data)."""
-    from ..data.corpus import load_text, packed_blocks
+def prepare_data(pre: Preflight, rank: int, tag: str):
+    """The token store of every recipe (train_clm, qat_clm, distill_clm), before any process group: every rank
+    tokenizes a share, rank 0 merges (no rank waits alone behind a barrier for the whole corpus); a store already
+    there (same key) is reused at any world size. Rank 0 prints its counts (examples, tokens, trained tokens)."""
+    from ..data.recipe import ready_store
 
-    text = load_text(cfg.data, cfg.validation)
-    train_blocks = packed_blocks(tokenizer, text["train"]["text"], cfg.seq_len)
-    if cfg.max_train_blocks:
-        train_blocks = train_blocks[: cfg.max_train_blocks]
-    return train_blocks, packed_blocks(tokenizer, text["validation"]["text"], cfg.seq_len)[: cfg.eval_blocks]
+    store = ready_store(pre.data, rank, pre.launch.world)
+    if rank == 0:
+        for line in store.lines():
+            print(f"[{tag}] data: {line.strip()}", flush=True)
+    return store
 
 
 def evaluate(model, accelerator, val, micro_batch: int) -> float:
