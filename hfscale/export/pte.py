@@ -32,7 +32,8 @@ QTYPES = ("fp32", "8da4w")
 
 def _static_rope(cfg) -> str | None:
     """RoPE kinds whose frequencies are fixed at init export as constants; "dynamic" and "longrope" recompute them
-    from the largest position seen, a data-dependent branch torch.export refuses to trace."""
+    from the largest position seen (transformers' dynamic_rope_update), a data-dependent branch: torch.export
+    refuses it ("Data-dependent branching", measured for "dynamic"; "longrope" takes the same branch, read)."""
     params = getattr(cfg, "rope_parameters", None) or {}
     per_kind = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
     for p in per_kind:
