@@ -153,8 +153,8 @@ def test_family_fp32_decode_matches_eager(family_pte):
     same = v["vs_eager_same_quantization"]
     # Token by token through the in-program cache with XNNPACK's fp32 kernels vs one eager ATen forward: only the
     # order of fp32 sums and XNNPACK's polynomial tanh / exp differ (each ~1e-6 relative, a few dozen ops deep).
-    # Measured max |dlogit| 1.6e-5 (gemma4: GELU and soft-capping tanh; GELU spelled out by
-    # export.pte.spell_out_tanh_gelu, 8e-4 before) and 5.7e-7 (llama) on logits |x| < 1.1: TOL leaves 12x / 90x.
+    # Measured max |dlogit| 9.4e-6 (gemma4: GELU and soft-capping tanh; GELU spelled out by
+    # export.pte.spell_out_tanh_gelu, 8e-4 before) and 5.7e-7 (llama) on logits |x| < 1.1: TOL leaves 50x / 90x.
     # A cache that loses the context moves them 1000x more (test_family_tolerance_sees_a_wrong_context).
     assert same["max_abs_dlogit"] < TOL[family] and same["top1_agreement"] == 1.0 and same["positions"] == 40
     assert abs(v["perplexity"] / v["perplexity_transformers_fp32"] - 1) < 1e-4
