@@ -432,6 +432,15 @@ def _spm_text_handling(tokenizer_json: dict) -> None:
                            "writer reproduces for a byte-fallback BPE; llama.cpp would tokenize differently")
 
 
+def check_tokenizer(tokenizer) -> None:
+    """Refuse, before anything is written, a tokenizer llama.cpp would split differently (see _add_tokenizer)."""
+    tj = json.loads(tokenizer.backend_tokenizer.to_str())
+    if gguf_bpe.is_byte_level(tj):
+        gguf_bpe.check(tj)
+    else:
+        _spm_text_handling(tj)
+
+
 def _add_tokenizer(w, tokenizer, n_vocab: int) -> None:
     tj = json.loads(tokenizer.backend_tokenizer.to_str())
     if gguf_bpe.is_byte_level(tj):

@@ -77,17 +77,23 @@ def pre_tokenizer(tokenizer_json: dict) -> tuple[str, bool]:
     return found
 
 
+def check(tokenizer_json: dict) -> str:
+    """Everything that refuses a byte-level tokenizer; returns the llama.cpp pre-tokenizer name."""
+    name, _ = pre_tokenizer(tokenizer_json)
+    for t in tokenizer_json.get("added_tokens", []):
+        for flag in ("lstrip", "rstrip", "single_word"):
+            if t.get(flag):
+                raise _refuse(f"added token {t['content']!r} has {flag}=True")
+    return name
+
+
 def add_vocab(w, tokenizer, tokenizer_json: dict, added: dict[str, bool], n_vocab: int) -> str:
     """Write the "gpt2" vocabulary: tokens in id order (unused embedding rows as [PADi], UNUSED), merges,
     types (CONTROL for special added tokens, USER_DEFINED for the others: llama.cpp then matches them whole,
     as transformers does), the pre-tokenizer name. Returns that name."""
     import gguf
 
-    name, _ = pre_tokenizer(tokenizer_json)
-    for t in tokenizer_json.get("added_tokens", []):
-        for flag in ("lstrip", "rstrip", "single_word"):
-            if t.get(flag):
-                raise _refuse(f"added token {t['content']!r} has {flag}=True")
+    name = check(tokenizer_json)
     model = tokenizer_json["model"]
     vocab = dict(model["vocab"])
     for t in tokenizer_json.get("added_tokens", []):
