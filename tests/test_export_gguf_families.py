@@ -127,6 +127,9 @@ def test_lora_adapter_gguf_equals_the_merged_model(models, tmp_path):
     assert _field(rd, "general.type") == "adapter" and _field(rd, "adapter.type") == "lora"
     assert {t.name for t in rd.tensors} >= {"blk.0.attn_q.weight.lora_a", "blk.1.ffn_down.weight.lora_b"}
     assert json.loads(open(str(out) + ".json").read())["scheme"]["rank"] == 8
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out).st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_refusals_name_the_setting_and_write_nothing(models, tmp_path):

@@ -61,21 +61,22 @@ def bpe_tokenizer(kind: str, n_docs: int = 2000):
                                    pad_token=spec["eos"])
 
 
-def _config(family: str, vocab_size: int, bos: int | None, eos: int):
+def _config(family: str, vocab_size: int, bos: int | None, eos: int, shape: dict | None = None):
     import transformers
 
     ids = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
+    dims = {**SHAPE, **(shape or {})}
     if family == "llama":
-        return transformers.LlamaConfig(**SHAPE, **ids, tie_word_embeddings=True, rope_theta=500_000.0,
+        return transformers.LlamaConfig(**dims, **ids, tie_word_embeddings=True, rope_theta=500_000.0,
                                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     if family == "mistral":
-        return transformers.MistralConfig(**SHAPE, **ids, tie_word_embeddings=False, sliding_window=None,
+        return transformers.MistralConfig(**dims, **ids, tie_word_embeddings=False, sliding_window=None,
                                           rope_theta=1_000_000.0)
     if family == "qwen2":
-        return transformers.Qwen2Config(**SHAPE, **ids, tie_word_embeddings=True, rope_theta=1_000_000.0)
+        return transformers.Qwen2Config(**dims, **ids, tie_word_embeddings=True, rope_theta=1_000_000.0)
     if family == "qwen3":
-        return transformers.Qwen3Config(**SHAPE, **ids, head_dim=32, tie_word_embeddings=False, rope_theta=1_000_000.0,
+        return transformers.Qwen3Config(**{"head_dim": 32, **dims}, **ids, tie_word_embeddings=False, rope_theta=1_000_000.0,
                                         rope_scaling={"rope_type": "linear", "factor": 2.0})
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
 
@@ -83,8 +84,10 @@ def _config(family: str, vocab_size: int, bos: int | None, eos: int):
 FAMILIES = {"llama": "llama3", "mistral": "spm", "qwen2": "qwen2", "qwen3": "qwen2"}
 
 
-def family_model(family: str, out: str | Path, tokenizer=None, seed: int = 0, steps: int = 12) -> Path:
-    """Save a seeded `family` model with its tokenizer (built here unless given) to `out`, after `steps` of AdamW on
+def family_model(family: str, out: str | Path, tokenizer=None, seed: int = 0, steps: int = 12,
+                 shape: dict | None = None) -> Path:
+    """Save a seeded `family` model (SHAPE, updated by `shape`) with its tokenizer (built here unless given) to `out`,
+    after `steps` of AdamW on
     the built-in corpus (4 x 128 tokens each). Why a few steps: at random init the next-token distribution is near
     uniform, so top-1 is decided by gaps smaller than Q8_0's rounding and agreement measures noise (measured on these
     shapes at init: 0.971-0.995 at Q8_0, 1.0 at F16); the steps make it peaked enough for agreement to mean something."""
@@ -95,7 +98,7 @@ def family_model(family: str, out: str | Path, tokenizer=None, seed: int = 0, st
 
     if tokenizer is None:
         tokenizer = load_tokenizer("tiny-gemma3") if FAMILIES[family] == "spm" else bpe_tokenizer(FAMILIES[family])
-    cfg = _config(family, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    cfg = _config(family, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     g = torch.Generator().manual_seed(seed + 1)
