@@ -6,9 +6,10 @@ Common to the Gemma architectures:
 - tied embeddings: no `output.weight`; llama.cpp reuses `token_embd` as the output head, so the
   token embedding's type is also the output projection's type (hence its own option).
 - tokenizer (every architecture): a byte-level BPE (GPT-2 / Llama 3 / Qwen) is written as llama.cpp's
-  "gpt2" vocabulary with the pre-tokenizer read from its structure (`gguf_bpe`). Ours is a BPE over "▁"-escaped text with byte fallback (SentencePiece-style, not
-  GPT-2 byte-level), so it is stored as llama.cpp's "llama" (SPM) model: merged tokens get score
-  -rank of the merge that creates them, bytes are BYTE tokens, no space prefix. Added tokens keep
+  "gpt2" vocabulary with the pre-tokenizer read from its structure (`gguf_bpe`). Ours is a BPE over
+  "▁"-escaped text with byte fallback (SentencePiece-style, not GPT-2 byte-level), so it is stored
+  as llama.cpp's "llama" (SPM) model: merged tokens get score -rank of the merge that creates them,
+  bytes are BYTE tokens, no space prefix (other normalizers are refused). Added tokens keep
   how the tokenizer matches them: special ones are CONTROL (matched whole when llama.cpp parses
   specials), the others USER_DEFINED (always matched whole, like transformers does; as NORMAL,
   llama.cpp splits `<start_of_turn>` into pieces). `verify_llama.check_tokenizer` proves the two
