@@ -35,7 +35,7 @@ TOKENIZERS = {
 }
 
 
-def bpe_tokenizer(kind: str, n_docs: int = 1000):
+def bpe_tokenizer(kind: str, n_docs: int = 2000):
     """A byte-level BPE tokenizer (PreTrainedTokenizerFast) of Llama 3's or Qwen's structure."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
