@@ -65,6 +65,7 @@ SLOW_TESTS = {  # file -> test-name prefixes ("" = every test in the file): why
     "test_export_gguf.py": ("",),              # llama.cpp loads and runs every GGUF
     "test_export_gguf_gemma4.py": ("",),       # llama.cpp runs, trained Gemma 4 shapes
     "test_export_gguf_moe.py": ("",),          # llama.cpp runs of MoE GGUFs
+    "test_export_gguf_families.py": ("",),     # llama.cpp runs, Llama / Mistral / Qwen shapes and a LoRA
     "test_outputs.py": ("test_kill_gguf", "test_kill_pte", "test_kill_checkpoint", "test_kill_quantize"),  # real exports / saves killed
     "test_profile.py": ("test_one_process_timeline",),  # real steps in a subprocess
     "test_cli_refusals.py": ("test_weight_only_ptq",),  # two real PTQ runs (quantize, save, reload, compare)

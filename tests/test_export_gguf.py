@@ -33,8 +33,8 @@ def test_registry_contract():
 
 def test_f16_matches_transformers_in_llama_cpp(exports):
     v = exports["F16"]["verification"]
-    # 4 held-out prompts, 4 texts with one added token each (<pad> <eos> <bos> <unk>), all of them in a row
-    assert v["tokenizer"] == {"texts": 9, "identical": 9}
+    # 4 held-out prompts, 5 probe texts, 4 texts with one added token each (<pad> <eos> <bos> <unk>), all in a row
+    assert v["tokenizer"] == {"texts": 14, "identical": 14}
     assert v["vs_transformers"]["top1_agreement"] == 1.0
     assert v["vs_transformers"]["max_abs_dlogit"] < 0.02  # measured 0.003: fp16 weights only
     assert v["vs_transformers"]["positions"] == 4 * 96
@@ -82,12 +82,12 @@ def test_refusals_write_nothing(trained, tmp_path):
     out = tmp_path / "x.gguf"
     with pytest.raises(HfscaleError, match="F16, BF16, Q8_0, Q4_0"):
         FORMATS["gguf"].export(trained, out, "Q5_K", False)
-    from transformers import LlamaConfig
+    from transformers import GPTNeoXConfig
 
-    LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
-                vocab_size=256).save_pretrained(tmp_path / "llama")
-    with pytest.raises(HfscaleError, match="supports model types gemma3_text"):
-        FORMATS["gguf"].export(str(tmp_path / "llama"), out, "Q4_0", False)
+    GPTNeoXConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                  vocab_size=256).save_pretrained(tmp_path / "neox")
+    with pytest.raises(HfscaleError, match="supports model types gemma3_text, gemma4_text, llama, mistral, qwen2, qwen3 .*'gpt_neox'"):
+        FORMATS["gguf"].export(str(tmp_path / "neox"), out, "Q4_0", False)
     assert list(tmp_path.glob("x.gguf*")) == []
     out.write_text("keep")
     with pytest.raises(HfscaleError, match="--force"):
@@ -132,8 +132,8 @@ def test_user_defined_tokens_and_chat_text_tokenize_as_in_transformers(chat_mode
         "<start_of_turn>": False, "<end_of_turn>": False}
     out = tmp_path / "chat.gguf"
     rec = FORMATS["gguf"].export(str(chat_model), out, "F16", False, evalset=ES, progress=False)
-    # 4 prompts + 6 texts with one added token each + all in a row + the chat template applied
-    assert rec["verification"]["tokenizer"] == {"texts": 12, "identical": 12}
+    # 4 prompts + 5 probe texts + 6 texts with one added token each + all in a row + the chat template applied
+    assert rec["verification"]["tokenizer"] == {"texts": 17, "identical": 17}
     T = gguf.TokenType
     types = gguf.GGUFReader(out).fields["tokenizer.ggml.token_type"]
     types = [int(types.parts[i][0]) for i in types.data]
@@ -147,7 +147,7 @@ def test_user_defined_tokens_and_chat_text_tokenize_as_in_transformers(chat_mode
 
 def test_the_tokenizer_check_catches_markers_written_as_normal(chat_model, tmp_path, monkeypatch):
     """What the export wrote before: only special added tokens known, the rest NORMAL. llama.cpp then
-    splits <start_of_turn> into pieces (measured: 13 of 16 texts alike; all 3 others hold it)."""
+    splits <start_of_turn> into pieces (measured: 13 of 16 texts alike; all 3 others hold it; 5 probe texts added since)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfscale.export import evalset as E
@@ -162,5 +162,5 @@ def test_the_tokenizer_check_catches_markers_written_as_normal(chat_model, tmp_p
     G.write_gguf(model, tok, out, G.GGUFOptions("F16"), progress=False)
     with open_llama(out, n_ctx=256) as llm:
         r = check_tokenizer(llm, tok, E.tokenizer_texts(tok, ES))
-    assert r["identical"] < r["texts"] == 12
+    assert r["identical"] < r["texts"] == 17
     assert all("<start_of_turn>" in t for t in r["differing_texts"])

@@ -14,6 +14,7 @@ EPILOG = """examples:
   hfscale quantize runs/tiny/model --scheme gptq-int4wo --calibration builtin --out q_gptq
   hfscale quantize runs/tiny/model --format gguf --qtype Q4_0 --out model-Q4_0.gguf   # checked in llama.cpp
   hfscale quantize runs/tiny/model --format pte --qtype 8da4w --out model.pte         # checked in executorch.runtime
+  hfscale quantize runs/base --format gguf --adapter runs/lora --out lora.gguf         # peft LoRA -> llama.cpp --lora
   hfscale quantize --list
 """
 
@@ -42,6 +43,8 @@ def add_parser(sub):
     p.add_argument("--seq-len", type=int, default=128, help="calibration sequence length")
     p.add_argument("--qtype", help="gguf: F16 BF16 Q8_0 Q4_0 (default Q4_0); pte: fp32 8da4w (default 8da4w)")
     p.add_argument("--embed-qtype", help="gguf: token embedding type (default Q8_0 for quantized qtypes)")
+    p.add_argument("--adapter", metavar="DIR", help="gguf: write the peft LoRA adapter in DIR (trained on MODEL) as a "
+                   "llama.cpp adapter GGUF (llama-cli --lora) instead of the model; checked against the merged model")
     p.add_argument("--max-seq-len", type=int, default=128, help="pte: KV-cache length compiled into the program")
     p.add_argument("--no-verify", action="store_true", help="skip the reload / runtime check (large models)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
@@ -67,6 +70,8 @@ def run(args) -> int:
     if not args.model or not args.out:
         raise HfscaleError("give MODEL and --out (e.g. hfscale quantize tiny-gemma3 --scheme 8da4w --out q_dir)")
     _require_extra(args)
+    if args.adapter:
+        return _run_adapter(args)
     if args.format == "transformers":
         return _run_ptq(args)
     return _run_export(args)
@@ -109,6 +114,26 @@ def _run_export(args) -> int:
         print(f"  {v.get('runtime', fmt.runtime)}: top-1 vs transformers {cmp.get('top1_agreement', float('nan')):.3f}, "
               f"max |dlogit| {cmp.get('max_abs_dlogit', float('nan')):.4f}, perplexity {v['perplexity']:.3f} "
               f"(fp32 transformers {v['perplexity_transformers_fp32']:.3f})")
+    return 0
+
+
+def _run_adapter(args) -> int:
+    from ..util.errors import HfscaleError
+    from ..export import export_gguf_adapter
+
+    if args.format != "gguf" or args.scheme or args.qtype or args.embed_qtype:
+        raise HfscaleError("--adapter writes a GGUF LoRA adapter (F32): use it with --format gguf and without "
+                           "--scheme/--qtype/--embed-qtype (quantize the base model in its own run)")
+    rec = export_gguf_adapter(args.model, args.adapter, args.out, args.force, verify=not args.no_verify)
+    sc = rec["scheme"]
+    print(f"wrote {rec['out']}: {rec['bytes']:,} bytes, LoRA r={sc['rank']} scale {sc['scale']:g} on "
+          f"{', '.join(sc['target_modules'])} ({sc['tensors']} tensors), sidecar {rec['out']}.json")
+    v = rec.get("verification")
+    if v:
+        m, b = v["vs_merged_transformers"], v["base_alone_vs_transformers"]
+        print(f"  llama.cpp, F16 base + adapter vs transformers' merged model: max |dlogit| {m['max_abs_dlogit']:.4f}, "
+              f"top-1 {m['top1_agreement']:.3f} (base alone: {b['max_abs_dlogit']:.4f}; the adapter moves logits by "
+              f"up to {v['adapter_effect_max_abs_dlogit']:.3f})")
     return 0
 
 

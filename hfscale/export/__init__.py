@@ -1,5 +1,6 @@
 """Edge export: GGUF for llama.cpp and ExecuTorch .pte, each verified in its own runtime.
 
+`export_gguf_adapter` writes a peft LoRA directory as a llama.cpp adapter GGUF (`hfscale quantize --adapter`).
 FORMATS drives `hfscale quantize --format`: each entry has `.qtypes`, `.default_qtype` and
 `.export(model, out, qtype, force, **options) -> dict` (the sidecar record, printed as JSON).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .artifacts import export_gguf, export_pte
+from .artifacts import export_gguf, export_gguf_adapter, export_pte
 from .gguf import QTYPES as GGUF_QTYPES
 from .pte import QTYPES as PTE_QTYPES
 
@@ -29,4 +30,4 @@ FORMATS: dict[str, Format] = {
 }
 
 
-__all__ = ["FORMATS", "Format", "export_gguf", "export_pte"]
+__all__ = ["FORMATS", "Format", "export_gguf", "export_gguf_adapter", "export_pte"]

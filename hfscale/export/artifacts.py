@@ -16,9 +16,9 @@ from . import evalset as E
 from .sidecar import sidecar_path, source_info, write_sidecar
 
 
-def _prepare(model: str, out, force: bool):
+def _prepare(model: str, out, force: bool, adapter=None):
     out = Path(out)
-    check_writable({out: "--out", sidecar_path(out): "--out"}, force, inputs={model: "MODEL"})
+    check_writable({out: "--out", sidecar_path(out): "--out"}, force, inputs={model: "MODEL", adapter: "--adapter"})
     if out.exists() and out.is_dir():
         raise HfscaleError(f"{out} is a directory; give a file path for --out")
     from ..models.builtin import load_config
@@ -28,13 +28,14 @@ def _prepare(model: str, out, force: bool):
 
 def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed_qtype: str | None = None,
                 verify: bool = True, evalset: E.EvalSet = E.EvalSet(), progress: bool = True) -> dict:
-    from .gguf import GGUFOptions, check_supported, norm_convention, write_gguf
+    from .gguf import GGUFOptions, check_supported, check_tokenizer, norm_convention, write_gguf
 
     require("hfscale.export.export_gguf", "edge", ("gguf", "llama_cpp") if verify else ("gguf",))
     opts = GGUFOptions(qtype, embed_qtype)
     out, cfg = _prepare(model, out, force)
     check_supported(cfg)
     m, tok = load_for_eval(model)
+    check_tokenizer(tok)
     t0 = time.perf_counter()
     with staged(out) as stage:
         counts = write_gguf(m, tok, stage, opts, name=str(model), progress=progress)
@@ -48,6 +49,29 @@ def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed
 
             rec["verification"] = verify_gguf(stage, m, tok, evalset, progress=progress)
             rec["verification"]["transformers_gguf_reload"] = verify_transformers_reload(stage, m, tok, evalset)
+    write_sidecar(out, rec)
+    return {"out": str(out), "bytes": out.stat().st_size, **rec}
+
+
+def export_gguf_adapter(model: str, adapter, out, force: bool = False, verify: bool = True,
+                        evalset: E.EvalSet = E.EvalSet(n_prompts=4), progress: bool = True) -> dict:
+    """A peft LoRA directory `adapter` (trained on `model`) as a llama.cpp adapter GGUF (gguf_adapter), checked
+    in llama.cpp on an F16 base GGUF against transformers' merged model."""
+    from .gguf import check_supported
+    from .gguf_adapter import read_adapter, verify_adapter, write_adapter_gguf
+
+    require("hfscale.export.export_gguf_adapter", "edge", ("gguf", "peft", "llama_cpp") if verify else ("gguf",))
+    out, cfg = _prepare(model, out, force, adapter=adapter)
+    check_supported(cfg)
+    lora = read_adapter(adapter, cfg)
+    with staged(out) as stage:
+        n = write_adapter_gguf(lora, cfg, stage)
+        rec = {"format": "gguf-lora", "source": {"model": str(model), "model_type": cfg.model_type,
+                                                 "adapter": str(adapter)},
+               "scheme": {"rank": lora.rank, "alpha": lora.alpha, "scale": lora.alpha / lora.rank, "tensors": n,
+                          "dtype": "F32", "target_modules": sorted({k.split(".")[-2] for k in lora.pairs})}}
+        if verify:
+            rec["verification"] = verify_adapter(stage, model, adapter, evalset, progress=progress)
     write_sidecar(out, rec)
     return {"out": str(out), "bytes": out.stat().st_size, **rec}
 

@@ -35,12 +35,23 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"},
         {"role": "user", "content": "And of Italy?"}]
 
 
+# text the corpus rarely holds but pre-tokenizers split differently: contractions in both cases, digit runs
+# (llama3 groups up to 3, qwen2 splits each), runs of spaces / tabs / newlines / \r\n, leading and trailing
+# spaces, accents, CJK, Greek, an emoji (byte fallback / multi-byte BPE), code (all NFC)
+PROBE = ["I'M sure they'LL say we'd've DON'T know: it's 12345 or 3.14159, on 2026-12-07!",
+         "Tabs\tand  double  spaces,   trailing   \n\n\nnew\r\nlines \n  indented\n",
+         "   leading spaces and a final space ",
+         "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u2014 \u6771\u4eac \u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac "
+         "\U0001f642 \u00bfqu\u00e9?",
+         "def f(x):\n    return x**2  # squared\n"]
+
+
 def tokenizer_texts(tokenizer, es: EvalSet) -> list[str]:
-    """What a runtime's tokenizer must split exactly as `tokenizer` does: the held-out prompts, one
-    text per added token (special or not) inside prose, all of them in a row, and the chat template
-    applied to CHAT if the tokenizer has a template."""
+    """What a runtime's tokenizer must split exactly as `tokenizer` does: the held-out prompts, the PROBE
+    texts, one text per added token (special or not) inside prose, all of them in a row, and the chat
+    template applied to CHAT if the tokenizer has a template."""
     added = sorted(t.content for t in tokenizer.added_tokens_decoder.values())
-    texts = prompt_texts(es) + [f"Before {a}after, and{a} again: {a}\n" for a in added]
+    texts = prompt_texts(es) + PROBE + [f"Before {a}after, and{a} again: {a}\n" for a in added]
     if added:
         texts.append("".join(added) + " " + " ".join(added))
     if getattr(tokenizer, "chat_template", None):

@@ -1,11 +1,15 @@
-"""Write a Gemma 3 or Gemma 4 text model as GGUF for llama.cpp, with the `gguf` package's GGUFWriter.
+"""Write a decoder as GGUF for llama.cpp, with the `gguf` package's GGUFWriter: Gemma 3 and Gemma 4 text
+models here, Llama 3.x / Mistral / Qwen 2 / Qwen 3 through the handlers in `gguf_llama` (ARCHS is the
+registry; `hfscale quantize --format gguf` accepts exactly its model types).
 
-Common to both architectures:
+Common to the Gemma architectures:
 - tied embeddings: no `output.weight`; llama.cpp reuses `token_embd` as the output head, so the
   token embedding's type is also the output projection's type (hence its own option).
-- tokenizer: ours is a BPE over "▁"-escaped text with byte fallback (SentencePiece-style, not
-  GPT-2 byte-level), so it is stored as llama.cpp's "llama" (SPM) model: merged tokens get score
-  -rank of the merge that creates them, bytes are BYTE tokens, no space prefix. Added tokens keep
+- tokenizer (every architecture): a byte-level BPE (GPT-2 / Llama 3 / Qwen) is written as llama.cpp's
+  "gpt2" vocabulary with the pre-tokenizer read from its structure (`gguf_bpe`). Ours is a BPE over
+  "▁"-escaped text with byte fallback (SentencePiece-style, not GPT-2 byte-level), so it is stored
+  as llama.cpp's "llama" (SPM) model: merged tokens get score -rank of the merge that creates them,
+  bytes are BYTE tokens, no space prefix (other normalizers are refused). Added tokens keep
   how the tokenizer matches them: special ones are CONTROL (matched whole when llama.cpp parses
   specials), the others USER_DEFINED (always matched whole, like transformers does; as NORMAL,
   llama.cpp splits `<start_of_turn>` into pieces). `verify_llama.check_tokenizer` proves the two
@@ -40,11 +44,12 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from ..compress.schemes import default_embed_qtype
+from . import gguf_bpe
+from . import gguf_llama as L
 from ..util.errors import HfscaleError, first_line
 
 QTYPES = ("F16", "BF16", "Q8_0", "Q4_0")
 EMBED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "gemma4_text")
 # large lookup tables: llama.cpp's quantizer gives both the --token-embedding-type (llama-quant.cpp,
 # tensor_name_match_token_embd), so they follow GGUFOptions.embedding here too
 EMBEDDING_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
@@ -70,13 +75,13 @@ class GGUFOptions:
 
 
 def check_supported(config) -> None:
-    """Refuse, in one line, configs llama.cpp's gemma3 / gemma4 graph would run wrongly."""
+    """Refuse, in one line, configs llama.cpp's graph for the architecture would run wrongly."""
     mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
+    if mt not in ARCHS:
         why = (" (for a multimodal Gemma 4 checkpoint, export its text decoder as Gemma4ForCausalLM)"
                if mt == "gemma4" else "")
-        raise HfscaleError(f"GGUF export supports model types {', '.join(SUPPORTED_MODEL_TYPES)} "
-                           f"(Gemma 3 / Gemma 4 text and the built-in tiny-gemma3), not {mt!r}{why}")
+        raise HfscaleError(f"GGUF export supports model types {', '.join(ARCHS)} "
+                           f"(Gemma 3 / Gemma 4 text, Llama 3.x, Mistral, Qwen 2 / 3), not {mt!r}{why}")
     ARCHS[mt].check(config)
 
 
@@ -84,7 +89,7 @@ def norm_convention(config) -> str:
     """How RMSNorm weights are stored, in words (for the sidecar)."""
     if ARCHS[config.model_type].norm_offset:
         return "F32, stored as 1 + w (Gemma 3 RMSNorm)"
-    return "F32, stored as w (Gemma 4 RMSNorm multiplies by w)"
+    return "F32, stored as w (the RMSNorm multiplies by w)"
 
 
 # --------------------------------------------------------------------------------------- Gemma 3
@@ -314,7 +319,7 @@ def _hparams_gemma4(w, cfg) -> None:
         w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
 
 
-# ------------------------------------------------------------------------------- both architectures
+# ------------------------------------------------------------------------------------ the registry
 
 @dataclass(frozen=True)
 class _Arch:
@@ -323,12 +328,15 @@ class _Arch:
     hparams: Callable                   # (GGUFWriter, config) -> None
     norm_offset: float                  # added to every `*norm.weight` before writing
     extra_tensors: Callable = lambda cfg: {}  # GGUF name -> F32 array, tensors transformers has no parameter for
+    transform: Callable = lambda hf_name, arr, cfg: arr  # layout changes (the llama arch's q/k row order)
 
 
 ARCHS: dict[str, _Arch] = {
     "gemma3_text": _Arch("GEMMA3", _check_gemma3, _hparams_gemma3, norm_offset=1.0),
     "gemma4_text": _Arch("GEMMA4", _check_gemma4, _hparams_gemma4, norm_offset=0.0,
                          extra_tensors=lambda cfg: {"rope_freqs.weight": _gemma4_rope_freqs(cfg)}),
+    **{mt: _Arch(arch, L.check, L.hparams, norm_offset=0.0, extra_tensors=L.rope_freqs, transform=L.transform)
+       for mt, arch in L.FAMILIES.items()},
 }
 
 
@@ -417,21 +425,44 @@ def _vocab(tokenizer_json: dict, added: dict[str, bool], n_vocab: int):
     return tokens, scores, types
 
 
+def _spm_text_handling(tokenizer_json: dict) -> None:
+    """The SPM path reproduces a normalizer that only escapes spaces as "▁" (nothing prepended): refuse others."""
+    norm = tokenizer_json.get("normalizer") or {}
+    if not (norm.get("type") == "Replace" and norm.get("pattern") == {"String": " "} and norm.get("content") == "\u2581"):
+        raise HfscaleError(f"tokenizer: normalizer {norm.get('type')!r} is not the space-to-'\u2581' Replace the GGUF "
+                           "writer reproduces for a byte-fallback BPE; llama.cpp would tokenize differently")
+
+
+def check_tokenizer(tokenizer) -> None:
+    """Refuse, before anything is written, a tokenizer llama.cpp would split differently (see _add_tokenizer)."""
+    tj = json.loads(tokenizer.backend_tokenizer.to_str())
+    if gguf_bpe.is_byte_level(tj):
+        gguf_bpe.check(tj)
+    else:
+        _spm_text_handling(tj)
+
+
 def _add_tokenizer(w, tokenizer, n_vocab: int) -> None:
-    tokens, scores, types = _vocab(json.loads(tokenizer.backend_tokenizer.to_str()), added_tokens(tokenizer), n_vocab)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
+    tj = json.loads(tokenizer.backend_tokenizer.to_str())
+    if gguf_bpe.is_byte_level(tj):
+        gguf_bpe.add_vocab(w, tokenizer, tj, added_tokens(tokenizer), n_vocab)
+    else:
+        _spm_text_handling(tj)
+        tokens, scores, types = _vocab(tj, added_tokens(tokenizer), n_vocab)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_add_space_prefix(False)  # the normalizer only escapes spaces; nothing is prepended
     vocab = tokenizer.get_vocab()
     for tok_name, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
                           ("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id)):
         t = getattr(tokenizer, f"{tok_name}_token", None)
         if t is not None and t in vocab:
             add(vocab[t])
-    w.add_add_bos_token(tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id])
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(False)  # the normalizer only escapes spaces; nothing is prepended
+    ids = tokenizer("x").input_ids
+    w.add_add_bos_token(tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id])
+    w.add_add_eos_token(tokenizer.eos_token_id is not None and ids[-1:] == [tokenizer.eos_token_id])
 
 
 def _tensors(model, arch: _Arch):
@@ -447,12 +478,12 @@ def _tensors(model, arch: _Arch):
         arr = t.detach().to(torch.float32)
         if arch.norm_offset and hf_name.endswith("norm.weight"):
             arr = arr + arch.norm_offset
-        yield _gguf_name(names, hf_name), arr.numpy()
+        yield _gguf_name(names, hf_name), arch.transform(hf_name, arr.numpy(), cfg)
     yield from arch.extra_tensors(cfg).items()
 
 
 def write_gguf(model, tokenizer, out: Path, opts: GGUFOptions, name: str = "", progress: bool = True) -> dict:
-    """Write `model` (a Gemma3ForCausalLM or Gemma4ForCausalLM, fp32) to the file `out` (callers that
+    """Write `model` (a causal LM of a model type in ARCHS, fp32) to the file `out` (callers that
     publish it stage it: export.artifacts). Returns tensor-type counts."""
     import gguf
 

@@ -33,12 +33,14 @@ def _plain_cpu_buffers():
 
 
 @contextmanager
-def open_llama(path: Path, n_ctx: int):
+def open_llama(path: Path, n_ctx: int, lora: Path | None = None):
+    """llama.cpp on `path` (plain CPU buffers), with the adapter GGUF `lora` applied at scale 1 if given."""
     import llama_cpp
 
+    kw = {"lora_path": str(lora)} if lora else {}
     with _plain_cpu_buffers():
         llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, verbose=False,
-                              n_threads=2, seed=0)
+                              n_threads=2, seed=0, **kw)
     try:
         yield llm
     finally:
