@@ -93,7 +93,7 @@ def memory(work: Path, results: dict, only=None) -> None:
             else:
                 ranks = json.loads(r.stdout)
                 row["measured"] = [x["measured"]["peak"] for x in ranks]
-                secs = [s for x in ranks for s in x["invisible_to_tracker"].get("step_seconds", [])[1:]]
+                secs = [s for x in ranks for s in x.get("step_seconds", [])[1:]]
                 row["tokens_per_s"] = round(2 * MICRO * SEQ / (sum(secs) / len(secs)), 1) if secs else None
                 if all("compared_peak" in x for x in ranks):
                     row["predicted"] = [x["compared_peak"] for x in ranks]

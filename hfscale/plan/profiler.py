@@ -63,6 +63,7 @@ class RankProfile:
     reshard_after_forward: bool = True  # FSDP2's setting (the planner models both)
     adapter: str = "none"  # hfscale.scale.adapters.AdapterSpec's kind trained (none: every parameter)
     lora_rank: int = 0
+    step_seconds: list[float] = field(default_factory=list)  # wall seconds per step, under the tracker
 
     @property
     def peak_step1(self) -> int:
@@ -271,7 +272,8 @@ def write_report(directory: str | os.PathLike, reports: list[dict], config, titl
         pred = preds[r["rank"]]
         m = RankProfile.from_dict(r).summary()
         row = {"rank": r["rank"], "world": r["world"], "device": r["device"], "engine": r["engine"], "zero": r["zero"],
-               "precision": r["precision"], "adamw": r["adamw"], "measured": m, "invisible_to_tracker": r["extra"]}
+               "precision": r["precision"], "adamw": r["adamw"], "measured": m, "invisible_to_tracker": r["extra"],
+               "step_seconds": r.get("step_seconds", [])}
         if pred and "peak" in pred:
             row["predicted"] = {k: pred[k] for k in ("peak", "peak_step1", "phases", "phases_step1", "peak_breakdown",
                                                      "offloaded_per_rank")}

@@ -96,8 +96,7 @@ def run(args) -> RankProfile:
     out = prof.result(accelerator, optimizer, args.model, args.micro_batch, args.seq_len, args.checkpointing,
                       choice.precision, snapshot_dir=args.out)
     # wall seconds per step, under the tracker (its per-op accounting slows every step alike)
-    out.extra["step_seconds"] = seconds
-    return replace(out, adapter=spec.kind, lora_rank=spec.rank if spec.enabled else 0)
+    return replace(out, adapter=spec.kind, lora_rank=spec.rank if spec.enabled else 0, step_seconds=seconds)
 
 
 def _zero_stage(accelerator) -> int | None:
