@@ -48,7 +48,7 @@ def test_family_exports_run_in_llama_cpp_as_in_transformers(family, models, tmp_
     umask = os.umask(0)
     os.umask(umask)
     recs = {q: FORMATS["gguf"].export(str(models[family]), tmp_path / f"{family}-{q}.gguf", q, False, evalset=ES,
-                                      progress=False) for q in ("F16", "Q8_0", "Q4_0")}
+                                      progress=False, reload=False) for q in ("F16", "Q8_0", "Q4_0")}
     for q, rec in recs.items():
         v = rec["verification"]
         tk = v["tokenizer"]

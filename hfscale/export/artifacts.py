@@ -27,7 +27,10 @@ def _prepare(model: str, out, force: bool, adapter=None):
 
 
 def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed_qtype: str | None = None,
-                verify: bool = True, evalset: E.EvalSet = E.EvalSet(), progress: bool = True) -> dict:
+                verify: bool = True, evalset: E.EvalSet = E.EvalSet(), progress: bool = True,
+                reload: bool = True) -> dict:
+    """`reload`: also load the file back with transformers' GGUF reader (a second, optional reader, reported in
+    the sidecar; llama.cpp's check is the one that decides)."""
     from .gguf import GGUFOptions, check_supported, check_tokenizer, norm_convention, write_gguf
 
     require("hfscale.export.export_gguf", "edge", ("gguf", "llama_cpp") if verify else ("gguf",))
@@ -48,7 +51,8 @@ def export_gguf(model: str, out, qtype: str = "Q4_0", force: bool = False, embed
             from .verify_llama import verify_gguf, verify_transformers_reload
 
             rec["verification"] = verify_gguf(stage, m, tok, evalset, progress=progress)
-            rec["verification"]["transformers_gguf_reload"] = verify_transformers_reload(stage, m, tok, evalset)
+            if reload:
+                rec["verification"]["transformers_gguf_reload"] = verify_transformers_reload(stage, m, tok, evalset)
     write_sidecar(out, rec)
     return {"out": str(out), "bytes": out.stat().st_size, **rec}
 
