@@ -230,7 +230,7 @@ def qlora_dtypes(precision: str, zero_stage: int | None, fsdp: bool):
 
     if fsdp:
         raise ConfigError("a 4-bit (QLoRA) base under FSDP2 has not run here (uint8 storage trains to loss 0 / NaN, "
-                          "accelerate #3983); launch with accelerate_configs/zero3.yaml (sharded NF4 base) or ddp.yaml, "
+                          "accelerate #3983); launch with accelerate_configs/ddp.yaml or zero2.yaml, "
                           "or use --adapter lora under FSDP2")
     if zero_stage == 3:
         raise ConfigError("a 4-bit (QLoRA) base under ZeRO-3 changed during training here (bitsandbytes 0.50, DeepSpeed "
