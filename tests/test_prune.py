@@ -6,6 +6,7 @@ impossible targets are refused in one line with nothing written."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -166,7 +167,10 @@ def test_cli_prune_tiny_and_refusals(cli, tmp_path, capfd):
     out = tmp_path / "half"
     r = cli("prune", "tiny-gemma3", "--out", out, "--params", "0.5x", "--calib-blocks", "4", "--seq-len", "64")
     assert r.returncode == 0, r.stderr
-    assert "3,001,920 -> 1,460,736 parameters (0.487x)" in r.stdout and "max |dlogit| 0.00e+00" in r.stdout
+    assert "3,001,920 -> 1,460,736 parameters (0.487x)" in r.stdout
+    # fp32, same weights: 0.0 here; a reloaded (differently aligned) copy may take another GEMM blocking on other
+    # hosts, which moves logits of ~10 by float32's last bits (~1e-6), never 1e-5
+    assert float(re.search(r"max \|dlogit\| ([0-9.e+-]+)", r.stdout).group(1)) < 1e-5, r.stdout
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (128, 416, 4)
     assert (out / "tokenizer.json").is_file() and (out / "hfscale_prune.json").is_file()

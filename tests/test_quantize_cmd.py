@@ -40,10 +40,14 @@ def test_quantize_then_eval(cli, trained, tmp_path):
     q = tmp_path / "q8da4w"
     r = cli("quantize", trained, "--scheme", "8da4w", "--out", q)
     assert r.returncode == 0, r.stderr
-    # the reloaded directory computes what the in-memory quantized model did: 0.0 when run alone, up to 3.3e-6
-    # measured inside the full suite (8da4w's dynamic per-token activation scales meet other GEMM paths under load)
+    # the reloaded directory holds the in-memory quantized model bit for bit (int data, scales, zero points, the
+    # float rest); its logits are not a bitwise test with 8da4w: a last-bit GEMM difference on the reloaded (differently
+    # aligned) copy can flip one dynamic int8 activation rounding: 0.0 here alone, 3.3e-6 in the suite, 5.8e-3 on a
+    # CI host. A wrong reload moves them by far more (the bitsandbytes repack trap: 2.46; torchao embeddings: 10-20),
+    # so 0.05 separates the two on any host
     dlogit = float(re.search(r"max \|dlogit\| vs the in-memory model ([0-9.e+-]+)", r.stdout).group(1))
-    assert dlogit < 1e-4, r.stdout
+    assert dlogit < 0.05, r.stdout
+    assert "tensors bit-identical to the in-memory model" in r.stdout, r.stdout
     r2 = cli("quantize", trained, "--scheme", "8da4w", "--out", q)
     assert r2.returncode == 2 and "--force" in r2.stderr
     r = cli("eval", trained, str(q), "--blocks", "8", "--json")

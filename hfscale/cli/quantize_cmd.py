@@ -179,7 +179,9 @@ def _run_ptq(args) -> int:
             else spec.info.granularities[0])
     print(f"wrote {args.out}: {b0:,} -> {b1:,} bytes of weights ({b1 / b0:.3f}x), scheme {spec.scheme}, {grid}")
     if "reload_max_abs_dlogit" in record:
-        print(f"  reloaded with from_pretrained: max |dlogit| vs the in-memory model {record['reload_max_abs_dlogit']:.2e}")
+        same = "bit-identical" if record["reload_tensors_differing"] == 0 else f"{record['reload_tensors_differing']} differ"
+        print(f"  reloaded with from_pretrained: tensors {same} to the in-memory model's, "
+              f"max |dlogit| vs the in-memory model {record['reload_max_abs_dlogit']:.2e}")
     return 0
 
 
@@ -188,7 +190,7 @@ def quantize_and_save(src: str, spec, out, force: bool, calibration, verify: boo
     import torch
 
     from ..compress.ptq import quantize_model, quantized_bytes_in_memory
-    from ..compress.save import dir_bytes, save_model_dir
+    from ..compress.save import differing_tensors, dir_bytes, save_model_dir
 
     model = quantize_model(src, spec, calibration=calibration)
     record = {"source": source_name, "scheme": spec.scheme, "group_size": spec.group_size,
@@ -202,8 +204,11 @@ def quantize_and_save(src: str, spec, out, force: bool, calibration, verify: boo
         from transformers import AutoModelForCausalLM
 
         ids = torch.arange(64).remainder(model.config.vocab_size - 3).add(3).unsqueeze(0)
+        reloaded = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True)
+        record["reload_tensors_differing"] = differing_tensors(model, reloaded)
         with torch.no_grad():
             live = model(input_ids=ids).logits.float()
-            back = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True)(input_ids=ids).logits.float()
+            back = reloaded(input_ids=ids).logits.float()
         record["reload_max_abs_dlogit"] = float((live - back).abs().max())
     return record
+
