@@ -103,6 +103,10 @@ def make_accelerator(precision: str | None = None, **kwargs):
             kwargs.setdefault("cpu", True)
     if precision is not None and not deepspeed:
         kwargs["mixed_precision"] = {"fp32": "no"}.get(precision, precision)
+    if deepspeed:
+        from .op_locks import refuse_stale_locks
+
+        refuse_stale_locks()  # else DeepSpeed's op loader waits forever on a killed build's lock
     accelerator = Accelerator(kwargs_handlers=handlers, **kwargs)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if precision is not None and plugin is not None:
