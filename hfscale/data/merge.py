@@ -31,6 +31,7 @@ from . import packing
 from .store import FAULT_HOOKS, MANIFEST, SPLITS, STORE_VERSION, DataOptions, SourceStats, SplitStats, StoreInfo, open_info
 
 CHUNK = 1 << 18  # documents (or rows) per step: ~10 MB of temporaries at most
+COPY = 8 << 20  # bytes of tokens copied at a time
 
 
 class NpyWriter:
@@ -200,7 +201,7 @@ def _append_parts(d: Path, parts, split: str, part_source, part_weight, bfd: boo
         docs.write(np.zeros(1, dtype=np.int64))
         for p in parts:
             with open(p / f"{split}.tok", "rb") as g:
-                shutil.copyfileobj(g, tokens, 8 << 20)
+                shutil.copyfileobj(g, tokens, COPY)
             ln = np.load(p / f"{split}.len.npy")
             starts = np.cumsum(ln) - ln
             docs.write(base + starts + ln)
