@@ -304,9 +304,15 @@ def main() -> int:
     ap.add_argument("--only-d", action="store_true", help="rerun (d) into the last results (benchmarks/results/data_pipeline.json)")
     ap.add_argument("--only-b", action="store_true", help="rerun (b) at --mb into the last results (old path at the smallest size)")
     ap.add_argument("--old-procs", type=int, default=2, help="ranks of the old path's launch (1 where two cannot fit)")
+    ap.add_argument("--only-merge", action="store_true", help="measure the merge alone (VmHWM, old vs new code) at --merge-tokens "
+                    "into the last results")
+    ap.add_argument("--merge-tokens", default="100000000,1000000000", help="synthetic corpus sizes for --only-merge, tokens")
+    ap.add_argument("--old-ref", default="24d1167", help="git revision holding the merge before the chunked one")
     args = ap.parse_args()
     if args.only_b:
         return only_b(args)
+    if args.only_merge:
+        return only_merge(args)
     if args.only_d:
         results = json.loads(OUT.with_suffix(".json").read_text())
         results["d_host"] = host()
@@ -342,6 +348,19 @@ def main() -> int:
     return 0
 
 
+def only_merge(args) -> int:
+    results = json.loads(OUT.with_suffix(".json").read_text())
+    h = host()
+    print(h, flush=True)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        results["merge"] = {"host": h, **bench_merge([int(x) for x in args.merge_tokens.split(",")], args.old_ref, Path(tmp))}
+    results["merge"]["load_end"] = os.getloadavg()[0]
+    OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    OUT.write_text(report(results))
+    print(f"wrote {OUT}")
+    return 0
+
+
 def only_b(args) -> int:
     """(b) alone, into the last results: each size's launch, then the old path at the smallest size; the json is
     rewritten after each launch so a run cut short keeps what it measured."""
@@ -349,6 +368,9 @@ def only_b(args) -> int:
 
     results = json.loads(OUT.with_suffix(".json").read_text())
     sizes = [int(x) for x in args.mb.split(",")]
+    before = results.get("rss_large", {})  # the old path's launch is kept where this run skips it (--old '')
+    results["b_before"] = {"host": results.get("b_host"), "sizes_mb": results.get("b_sizes_mb"),
+                           "new": {mb: v["new"] for mb, v in before.items() if "new" in v}} if before else None
     results["rss_large"], results["b_host"], results["b_sizes_mb"] = {}, host(), sizes
     print(results["b_host"], flush=True)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -365,12 +387,127 @@ def only_b(args) -> int:
                 results["rss_large"][str(mb)].update(bench_rss(path, tmp, Path(args.old), args.old_procs, new=False))
                 print(mb, "old", json.dumps(results["rss_large"][str(mb)]["old"]), flush=True)
                 OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
+            elif "old" in before.get(str(mb), {}):
+                results["rss_large"][str(mb)]["old"] = {**before[str(mb)]["old"], "earlier": True}
             shutil.rmtree(d)
             for p in tmp.glob("cache-*"):
                 shutil.rmtree(p)
     OUT.write_text(report(results))
     print(f"wrote {OUT}")
     return 0
+
+
+MERGE_CHILD = """
+import json, sys, time
+from pathlib import Path
+from hfscale.data.sources import Source
+from hfscale.data.store import DataOptions
+work, out, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+def hwm():
+    return {k: int(v.split()[0]) for k, v in (l.split(":", 1) for l in open("/proc/self/status")) if k in ("VmHWM", "VmRSS")}
+args = (work, [(None, "train")] * n, [Source("synthetic.jsonl")], out, "bench", DataOptions(256, format="text"), 4096, None,
+        "wrapped")
+before = hwm()
+t0 = time.perf_counter()
+try:
+    from hfscale.data.merge import merge
+except ImportError:  # the code before the chunked merge
+    from hfscale.data.store import _merge as merge
+info = merge(*args)
+s = info.splits["train"]
+print(json.dumps({"before_kb": before["VmHWM"], "peak_kb": hwm()["VmHWM"], "seconds": time.perf_counter() - t0,
+                  "rows": s.rows, "tokens": s.tokens, "documents": s.documents, "trained": s.trained}))
+"""
+
+
+def synthetic_parts(work: Path, tokens: int, part_tokens: int = 8_000_000, seed: int = 0) -> int:
+    """Parts as hfscale.data.parts writes them for plain text (every token trained, one run per document), without
+    tokenizing: documents of 20-400 tokens (~210 on average, like (b)'s text), parts of ~8M tokens (a 32 MiB work
+    unit of prose), tokens a fixed pattern. Returns the part count."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    pattern = (np.arange(part_tokens + 400) % 4096).astype(np.uint16)
+    n, left = 0, tokens
+    while left > 0:
+        d = work / f"part-{n:06d}"
+        d.mkdir(parents=True)
+        lens = rng.integers(20, 401, size=part_tokens // 210 + 1)
+        lens = lens[: int(np.searchsorted(np.cumsum(lens), min(part_tokens, left))) + 1]
+        ends = np.cumsum(lens)
+        pattern[: int(ends[-1])].tofile(d / "train.tok")
+        np.save(d / "train.len.npy", lens.astype(np.int64))
+        np.save(d / "train.span.npy", np.stack([ends - lens, ends], axis=1).astype(np.int64))
+        (d / "validation.tok").write_bytes(b"")
+        np.save(d / "validation.len.npy", np.zeros(0, np.int64))
+        np.save(d / "validation.span.npy", np.zeros((0, 2), np.int64))
+        counts = {"examples": len(lens), "truncated": 0, "dropped": 0, "split": 0}
+        (d / "stats.json").write_text(json.dumps({"format": "text", "source": 0, "file": "synthetic.jsonl",
+                                                  "resolved": {"train_on": "all", "overflow": "split"},
+                                                  "splits": {"train": counts, "validation": {k: 0 for k in counts}}}))
+        left -= int(ends[-1])
+        n += 1
+    return n
+
+
+def bench_merge(token_sizes, old_ref: str, tmp: Path) -> dict:
+    """The merge alone (rank 0's last step of prepare), each in a fresh child process: its VmHWM after imports and
+    at the end, on synthetic parts of each size, the code before the chunked merge (`old_ref`'s hfscale, from git
+    archive) vs this checkout's. Text, wrapped packing, seq_len 256: (b)'s launch."""
+    import shutil
+
+    old_root = tmp / "old"
+    old_root.mkdir()
+    subprocess.run(f"git -C {ROOT} archive {old_ref} hfscale | tar -x -C {old_root}", shell=True, check=True)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", old_ref], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    res = {"old_ref": commit, "sizes": {}}
+    for tokens in token_sizes:
+        work = tmp / f"parts-{tokens}"
+        t0 = time.perf_counter()
+        n = synthetic_parts(work, tokens)
+        row = {"parts": n, "generate_s": time.perf_counter() - t0}
+        for tag, root in (("old", old_root), ("new", ROOT)):
+            out = tmp / f"store-{tag}"
+            r = subprocess.run(["nice", "-n", "10", PY, "-c", MERGE_CHILD, str(work), str(out), str(n)], env=env(root),
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(r.stderr[-3000:])
+            row[tag] = json.loads(r.stdout.strip().splitlines()[-1])
+            row[tag]["files"] = json.loads((out / "manifest.json").read_text())["files"]
+            print(tokens, tag, {k: v for k, v in row[tag].items() if k != "files"}, flush=True)
+            shutil.rmtree(out)
+        row["same_store"] = row["old"].pop("files") == row["new"].pop("files")
+        res["sizes"][str(tokens)] = row
+        shutil.rmtree(work)
+    return res
+
+
+def merge_report(r: dict) -> list[str]:
+    m = r.get("merge")
+    if not m:
+        return []
+    sizes = sorted(m["sizes"], key=int)
+    lines = ["", "### (b) the merge alone (`--only-merge`): " + m["host"], "",
+             "Rank 0's last step of prepare, in a fresh process per run: the parts (synthetic: documents of 20-400 tokens, "
+             "~8M tokens per part, every token trained: plain text) merged into the store, wrapped packing, seq_len 256 "
+             f"as (b)'s launch. Old: the merge before the chunked one (hfscale of {m['old_ref']}, `git archive`); new: "
+             "hfscale/data/merge.py. VmHWM of the process; 'after imports' is the same process before the merge starts.", "",
+             "| tokens | documents | rows | path | VmHWM after imports, MB | **VmHWM at the end, MB** | merge seconds | "
+             "same store files |", "|---:|---:|---:|---|---:|---:|---:|---|"]
+    for t in sizes:
+        row = m["sizes"][t]
+        for tag, what in (("old", "old: whole arrays"), ("new", "new: a chunk at a time")):
+            v = row[tag]
+            lines.append(f"| {int(t):,} | {v['documents']:,} | {v['rows']:,} | {what} | {v['before_kb'] / 1024:,.0f} | "
+                         f"**{v['peak_kb'] / 1024:,.0f}** | {v['seconds']:.1f} | {row['same_store']} |")
+    if len(sizes) == 2:
+        a, b = (m["sizes"][t] for t in sizes)
+        g = {tag: b[tag]["peak_kb"] / a[tag]["peak_kb"] - 1 for tag in ("old", "new")}
+        lines += ["", f"**Peak, {int(sizes[1]):,} vs {int(sizes[0]):,} tokens: old {g['old']:+.1%}, new {g['new']:+.1%}**; "
+                  f"at {int(sizes[1]):,} tokens the new merge peaks at {b['new']['peak_kb'] / b['old']['peak_kb']:.2f}x the "
+                  "old one's. Same store files: the manifests' sizes and xxh3 hashes compared, old vs new."]
+    return lines
 
 
 def b_large_report(r: dict) -> list[str]:
@@ -497,6 +634,7 @@ def report(r: dict) -> str:
     lines += ["", "The old path is /work/main's checkout of the time (recipes/train_clm.py before this change), run at the "
               "smaller size only: at ~0.4 GB the issue measured 18.1 GB peak RSS for one process.", ""]
     lines += b_large_report(r)
+    lines += merge_report(r)
     lines += ["", "## (c) packing efficiency, built-in chat set", "",
               f"{p['examples']:,} conversations rendered with the template, lengths {p['len_min']}-{p['len_max']} tokens "
               f"(median {p['len_median']}), rows of {p['seq_len']}.", "",

@@ -30,7 +30,7 @@ from ..util.errors import HfscaleError
 from . import packing
 from .store import FAULT_HOOKS, MANIFEST, SPLITS, STORE_VERSION, DataOptions, SourceStats, SplitStats, StoreInfo, open_info
 
-CHUNK = 1 << 18  # documents (or rows) per step: ~10 MB of temporaries at most
+CHUNK = 1 << 16  # documents per step: ~20 MB of temporaries (wrapped cuts a chunk into ~2 segments per document)
 COPY = 8 << 20  # bytes of tokens copied at a time
 
 
