@@ -349,12 +349,15 @@ def main() -> int:
 
 
 def only_merge(args) -> int:
-    results = json.loads(OUT.with_suffix(".json").read_text())
+    """The merge alone, into the last results (read again at the end: another --only-* run may have written them)."""
     h = host()
     print(h, flush=True)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-        results["merge"] = {"host": h, **bench_merge([int(x) for x in args.merge_tokens.split(",")], args.old_ref, Path(tmp))}
-    results["merge"]["load_end"] = os.getloadavg()[0]
+        merge = {"host": h, **bench_merge([int(x) for x in args.merge_tokens.split(",")], args.old_ref, Path(tmp)),
+                 "load_end": os.getloadavg()[0]}
+    print(json.dumps(merge), flush=True)
+    results = json.loads(OUT.with_suffix(".json").read_text())
+    results["merge"] = merge
     OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
     OUT.write_text(report(results))
     print(f"wrote {OUT}")
