@@ -419,6 +419,7 @@ except ImportError:  # the code before the chunked merge
 info = merge(*args)
 s = info.splits["train"]
 print(json.dumps({"before_kb": before["VmHWM"], "peak_kb": hwm()["VmHWM"], "seconds": time.perf_counter() - t0,
+                  "code": merge.__module__ + " in " + str(Path(sys.modules[merge.__module__].__file__).parents[2]),
                   "rows": s.rows, "tokens": s.tokens, "documents": s.documents, "trained": s.trained}))
 """
 
@@ -473,7 +474,7 @@ def bench_merge(token_sizes, old_ref: str, tmp: Path) -> dict:
         for tag, root in (("old", old_root), ("new", ROOT)):
             out = tmp / f"store-{tag}"
             r = subprocess.run(["nice", "-n", "10", PY, "-c", MERGE_CHILD, str(work), str(out), str(n)], env=env(root),
-                               capture_output=True, text=True)
+                               cwd=root, capture_output=True, text=True)  # cwd: `python -c` puts it first on sys.path
             if r.returncode:
                 raise RuntimeError(r.stderr[-3000:])
             row[tag] = json.loads(r.stdout.strip().splitlines()[-1])

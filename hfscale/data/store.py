@@ -21,12 +21,12 @@ whose manifest holds another key is refused in one line, never used.
 
 Building (`prepare`): the input is cut into work units that depend on the files only
 (hfscale.data.sources); rank r of `world` tokenizes units r, r + world, ... and writes each as a part
-(staged, renamed) under a work directory beside the store; rank 0 merges the parts in unit order, packs, and
-renames the store into place; the other ranks wait for its manifest. No accelerate, no process group: ranks
-coordinate through renames on the shared file system, so the store is the same bytes at any world size and a
-part finished before a kill -9 is reused by the next attempt. Memory holds one unit (<= 32 MiB of input) per
-rank, then at the merge (rank 0) the document lengths and the packing: a few int64 arrays of (documents + rows)
-entries, ~0.9 bytes per token at seq_len 256 (benchmarks/data_pipeline.md (b), 4 GB of text); reading maps the files.
+(hfscale.data.parts: staged, renamed) under a work directory beside the store; rank 0 merges the parts in unit
+order, packs, and renames the store into place (hfscale.data.merge); the other ranks wait for its manifest. No
+accelerate, no process group: ranks coordinate through renames on the shared file system, so the store is the same
+bytes at any world size and a part finished before a kill -9 is reused by the next attempt. Memory holds one unit
+(<= 32 MiB of input) per rank; the merge works a chunk of documents at a time, so it does not grow with the corpus
+either (bfd: 4 bytes per document in a few int32 arrays; benchmarks/data_pipeline.md (b)); reading maps the files.
 """
 
 from __future__ import annotations
