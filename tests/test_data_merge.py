@@ -89,6 +89,11 @@ def test_merge_matches_whole_arrays(tmp_path, monkeypatch, packing, masked, weig
         src = (ref.segments[:, 0] // 120) % len(weights)
         assert [x.tokens for x in info.sources] == [int(ref.segments[src == i, 2].sum()) for i in range(len(weights))]
         assert [x.trained for x in info.sources] == [int(np.asarray(per_seg)[src == i].sum()) for i in range(len(weights))]
+    v = tmp_path / "store" / "validation"  # an empty split: what np.save wrote for empty arrays
+    empty = {"docs.npy": np.zeros(1, np.int64), "segments.npy": np.zeros((0, 2), np.int32),
+             "row_ptr.npy": np.zeros(1, np.int64), "row_trained.npy": np.zeros(0, np.int32)}
+    assert {n: (v / n).read_bytes() for n in empty} == {n: npy_bytes(a) for n, a in empty.items()}
+    assert not (v / "spans.npy").exists() and (v / "tokens.bin").stat().st_size == 0
     for split in SPLITS:  # the store reads back
         TokenStore(tmp_path / "store", split)
     store = TokenStore(tmp_path / "store")
