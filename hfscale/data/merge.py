@@ -131,6 +131,7 @@ def merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, voc
             rows = _RowWriter(d, docs, len(sources))
             with rows:
                 _pack(d, docs, opts.seq_len, resolved["packing"], rows)
+                rows.finish()
             if split == "train" and len(sources) > 1:
                 per_source = _source_stats(sources, train_fmts, stats, jobs, docs, rows)
             c = {k: sum(st["splits"][split][k] for st in stats) for k in ("examples", "truncated", "dropped", "split")}
@@ -316,12 +317,14 @@ class _RowWriter:
             self.stack.enter_context(w)
         return self
 
-    def __exit__(self, kind, *exc):
-        if kind is None:
-            if self.rows:
-                self.row_trained.write(np.array([self.open]))
-            self.row_ptr.write(np.array([self.segs]))
-        return self.stack.__exit__(kind, *exc)
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+    def finish(self) -> None:
+        """The last row's trained count and the closing row pointer (the segment count)."""
+        if self.rows:
+            self.row_trained.write(np.array([self.open]))
+        self.row_ptr.write(np.array([self.segs]))
 
     def add(self, doc, start, length, row, trained) -> None:
         """Segments in order; `row`: each one's row, consecutive from the last chunk's."""
