@@ -13,6 +13,10 @@ PACKING:
 - `wrapped`: documents concatenated in order and cut every seq_len tokens (pre-training style); a document
   cut by a row boundary continues as its own segment in the next row; the last partial row is dropped.
 - `none`: one document per row (padded by the collator).
+
+`pack` packs whole arrays (tests, benchmarks, the built-in corpus); the store's merge (hfscale.data.merge) packs
+through the same pieces a chunk at a time: `wrapped_cuts` for a slice of documents, `bfd_rows` over int32
+lengths, `mixture_copies` drawn a slice at a time.
 """
 
 from __future__ import annotations
