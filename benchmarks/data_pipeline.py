@@ -307,6 +307,7 @@ def main() -> int:
     ap.add_argument("--only-merge", action="store_true", help="measure the merge alone (VmHWM, old vs new code) at --merge-tokens "
                     "into the last results")
     ap.add_argument("--merge-tokens", default="100000000,1000000000", help="synthetic corpus sizes for --only-merge, tokens")
+    ap.add_argument("--merge-packing", default="wrapped", choices=["wrapped", "bfd"], help="--only-merge's packing (bfd: seq_len 512)")
     ap.add_argument("--old-ref", default="24d1167", help="git revision holding the merge before the chunked one")
     args = ap.parse_args()
     if args.only_b:
@@ -353,11 +354,12 @@ def only_merge(args) -> int:
     h = host()
     print(h, flush=True)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-        merge = {"host": h, **bench_merge([int(x) for x in args.merge_tokens.split(",")], args.old_ref, Path(tmp)),
+        merge = {"host": h, **bench_merge([int(x) for x in args.merge_tokens.split(",")], args.old_ref, Path(tmp),
+                                          args.merge_packing, 256 if args.merge_packing == "wrapped" else 512),
                  "load_end": os.getloadavg()[0]}
     print(json.dumps(merge), flush=True)
     results = json.loads(OUT.with_suffix(".json").read_text())
-    results["merge"] = merge
+    results["merge" if args.merge_packing == "wrapped" else f"merge_{args.merge_packing}"] = merge
     OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
     OUT.write_text(report(results))
     print(f"wrote {OUT}")
@@ -405,11 +407,11 @@ import json, sys, time
 from pathlib import Path
 from hfscale.data.sources import Source
 from hfscale.data.store import DataOptions
-work, out, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+work, out, n, how, seq_len = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 def hwm():
     return {k: int(v.split()[0]) for k, v in (l.split(":", 1) for l in open("/proc/self/status")) if k in ("VmHWM", "VmRSS")}
-args = (work, [(None, "train")] * n, [Source("synthetic.jsonl")], out, "bench", DataOptions(256, format="text"), 4096, None,
-        "wrapped")
+args = (work, [(None, "train")] * n, [Source("synthetic.jsonl")], out, "bench", DataOptions(seq_len, format="text", packing=how),
+        4096, None, how)
 before = hwm()
 t0 = time.perf_counter()
 try:
@@ -454,10 +456,10 @@ def synthetic_parts(work: Path, tokens: int, part_tokens: int = 8_000_000, seed:
     return n
 
 
-def bench_merge(token_sizes, old_ref: str, tmp: Path) -> dict:
+def bench_merge(token_sizes, old_ref: str, tmp: Path, how: str = "wrapped", seq_len: int = 256) -> dict:
     """The merge alone (rank 0's last step of prepare), each in a fresh child process: its VmHWM after imports and
     at the end, on synthetic parts of each size, the code before the chunked merge (`old_ref`'s hfscale, from git
-    archive) vs this checkout's. Text, wrapped packing, seq_len 256: (b)'s launch."""
+    archive) vs this checkout's. Text; wrapped packing at seq_len 256 is (b)'s launch; bfd needs seq_len >= 400."""
     import shutil
 
     old_root = tmp / "old"
@@ -465,7 +467,7 @@ def bench_merge(token_sizes, old_ref: str, tmp: Path) -> dict:
     subprocess.run(f"git -C {ROOT} archive {old_ref} hfscale | tar -x -C {old_root}", shell=True, check=True)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", old_ref], capture_output=True, text=True,
                             check=True).stdout.strip()
-    res = {"old_ref": commit, "sizes": {}}
+    res = {"old_ref": commit, "sizes": {}, "packing": how, "seq_len": seq_len}
     for tokens in token_sizes:
         work = tmp / f"parts-{tokens}"
         t0 = time.perf_counter()
@@ -473,7 +475,7 @@ def bench_merge(token_sizes, old_ref: str, tmp: Path) -> dict:
         row = {"parts": n, "generate_s": time.perf_counter() - t0}
         for tag, root in (("old", old_root), ("new", ROOT)):
             out = tmp / f"store-{tag}"
-            r = subprocess.run(["nice", "-n", "10", PY, "-c", MERGE_CHILD, str(work), str(out), str(n)], env=env(root),
+            r = subprocess.run(["nice", "-n", "10", PY, "-c", MERGE_CHILD, str(work), str(out), str(n), how, str(seq_len)], env=env(root),
                                cwd=root, capture_output=True, text=True)  # cwd: `python -c` puts it first on sys.path
             if r.returncode:
                 raise RuntimeError(r.stderr[-3000:])
@@ -487,15 +489,18 @@ def bench_merge(token_sizes, old_ref: str, tmp: Path) -> dict:
     return res
 
 
-def merge_report(r: dict) -> list[str]:
-    m = r.get("merge")
+def merge_report(r: dict, key: str = "merge") -> list[str]:
+    m = r.get(key)
     if not m:
         return []
     sizes = sorted(m["sizes"], key=int)
-    lines = ["", "### (b) the merge alone (`--only-merge`): " + m["host"], "",
+    how = m.get("packing", "wrapped")
+    flag = "" if how == "wrapped" else f" --merge-packing {how}"
+    lines = ["", f"### (b) the merge alone, {how} (`--only-merge{flag}`): " + m["host"], "",
              "Rank 0's last step of prepare, in a fresh process per run: the parts (synthetic: documents of 20-400 tokens, "
-             "~8M tokens per part, every token trained: plain text) merged into the store, wrapped packing, seq_len 256 "
-             f"as (b)'s launch. Old: the merge before the chunked one (hfscale of {m['old_ref']}, `git archive`); new: "
+             f"~8M tokens per part, every token trained: plain text) merged into the store, {m.get('packing', 'wrapped')} "
+             f"packing, seq_len {m.get('seq_len', 256)}" + (" as (b)'s launch" if m.get("packing", "wrapped") == "wrapped" else "")
+             + f". Old: the merge before the chunked one (hfscale of {m['old_ref']}, `git archive`); new: "
              "hfscale/data/merge.py. VmHWM of the process; 'after imports' is the same process before the merge starts.", "",
              "| tokens | documents | rows | path | VmHWM after imports, MB | **VmHWM at the end, MB** | merge seconds | "
              "same store files |", "|---:|---:|---:|---|---:|---:|---:|---|"]
@@ -513,7 +518,10 @@ def merge_report(r: dict) -> list[str]:
                   "old one's. Same store files: the manifests' sizes and xxh3 hashes compared, old vs new. What the new "
                   "merge holds above the imports is fixed: the token copy's and the file hash's 8 MiB reads and one chunk "
                   "(65,536 documents) of packing temporaries; what still grows is the parts' bookkeeping (a few KB per "
-                  "part of ~8M tokens)."]
+                  "part of ~8M tokens)"
+                  + ("." if how == "wrapped" else ", and bfd's int32 arrays over every document (lengths, visiting order, "
+                     "rows: 12 bytes per document with every token trained, 16 with masks): bfd chooses each row over the "
+                     "whole dataset.")]
     if "load_end" in m:
         lines += ["", f"Load average {m['load_end']:.1f} at the end: other engineers' jobs and the (b) launch above ran on "
                   "the same 2 cores, so the seconds are no claim (VmHWM does not depend on the load)."]
@@ -655,6 +663,7 @@ def report(r: dict) -> str:
               "smaller size only: at ~0.4 GB the issue measured 18.1 GB peak RSS for one process.", ""]
     lines += b_large_report(r)
     lines += merge_report(r)
+    lines += merge_report(r, "merge_bfd")
     lines += ["", "## (c) packing efficiency, built-in chat set", "",
               f"{p['examples']:,} conversations rendered with the template, lengths {p['len_min']}-{p['len_max']} tokens "
               f"(median {p['len_median']}), rows of {p['seq_len']}.", "",
