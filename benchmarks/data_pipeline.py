@@ -516,15 +516,14 @@ def merge_report(r: dict, key: str = "merge") -> list[str]:
         lines += ["", f"**Peak, {int(sizes[1]):,} vs {int(sizes[0]):,} tokens: old {g['old']:+.1%}, new {g['new']:+.1%}**; "
                   f"at {int(sizes[1]):,} tokens the new merge peaks at {b['new']['peak_kb'] / b['old']['peak_kb']:.2f}x the "
                   "old one's. Same store files: the manifests' sizes and xxh3 hashes compared, old vs new. What the new "
-                  "merge holds above the imports is fixed: the token copy's and the file hash's 8 MiB reads and one chunk "
-                  "(65,536 documents) of packing temporaries; what still grows is the parts' bookkeeping (a few KB per "
-                  "part of ~8M tokens)"
-                  + ("." if how == "wrapped" else ", and bfd's int32 arrays over every document (lengths, visiting order, "
-                     "rows: 12 bytes per document with every token trained, 16 with masks): bfd chooses each row over the "
-                     "whole dataset.")]
+                  "merge holds above the imports: the token copy's and the file hash's 8 MiB reads and one chunk (65,536 "
+                  "documents) of packing temporaries, fixed; the parts' bookkeeping (a few KB per part of ~8M tokens)"
+                  + ("." if how == "wrapped" else "; and, growing with the corpus, bfd's int32 arrays over every document "
+                     "(lengths, visiting order, rows: 12 bytes per document with every token trained, 16 with masks), "
+                     "as bfd chooses each row over the whole dataset.")]
     if "load_end" in m:
-        lines += ["", f"Load average {m['load_end']:.1f} at the end: other engineers' jobs and the (b) launch above ran on "
-                  "the same 2 cores, so the seconds are no claim (VmHWM does not depend on the load)."]
+        lines += ["", f"Load average {m['load_end']:.1f} at the end, other jobs on the same 2 cores (for the wrapped run, "
+                  "the (b) launch above too): the seconds are no claim (VmHWM does not depend on the load)."]
     return lines
 
 
