@@ -304,9 +304,16 @@ def main() -> int:
     ap.add_argument("--only-d", action="store_true", help="rerun (d) into the last results (benchmarks/results/data_pipeline.json)")
     ap.add_argument("--only-b", action="store_true", help="rerun (b) at --mb into the last results (old path at the smallest size)")
     ap.add_argument("--old-procs", type=int, default=2, help="ranks of the old path's launch (1 where two cannot fit)")
+    ap.add_argument("--only-merge", action="store_true", help="measure the merge alone (VmHWM, old vs new code) at --merge-tokens "
+                    "into the last results")
+    ap.add_argument("--merge-tokens", default="100000000,1000000000", help="synthetic corpus sizes for --only-merge, tokens")
+    ap.add_argument("--merge-packing", default="wrapped", choices=["wrapped", "bfd"], help="--only-merge's packing (bfd: seq_len 512)")
+    ap.add_argument("--old-ref", default="24d1167", help="git revision holding the merge before the chunked one")
     args = ap.parse_args()
     if args.only_b:
         return only_b(args)
+    if args.only_merge:
+        return only_merge(args)
     if args.only_d:
         results = json.loads(OUT.with_suffix(".json").read_text())
         results["d_host"] = host()
@@ -342,6 +349,23 @@ def main() -> int:
     return 0
 
 
+def only_merge(args) -> int:
+    """The merge alone, into the last results (read again at the end: another --only-* run may have written them)."""
+    h = host()
+    print(h, flush=True)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        merge = {"host": h, **bench_merge([int(x) for x in args.merge_tokens.split(",")], args.old_ref, Path(tmp),
+                                          args.merge_packing, 256 if args.merge_packing == "wrapped" else 512),
+                 "load_end": os.getloadavg()[0]}
+    print(json.dumps(merge), flush=True)
+    results = json.loads(OUT.with_suffix(".json").read_text())
+    results["merge" if args.merge_packing == "wrapped" else f"merge_{args.merge_packing}"] = merge
+    OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    OUT.write_text(report(results))
+    print(f"wrote {OUT}")
+    return 0
+
+
 def only_b(args) -> int:
     """(b) alone, into the last results: each size's launch, then the old path at the smallest size; the json is
     rewritten after each launch so a run cut short keeps what it measured."""
@@ -349,6 +373,9 @@ def only_b(args) -> int:
 
     results = json.loads(OUT.with_suffix(".json").read_text())
     sizes = [int(x) for x in args.mb.split(",")]
+    before = results.get("rss_large", {})  # the old path's launch is kept where this run skips it (--old '')
+    results["b_before"] = {"host": results.get("b_host"), "sizes_mb": results.get("b_sizes_mb"),
+                           "new": {mb: v["new"] for mb, v in before.items() if "new" in v}} if before else None
     results["rss_large"], results["b_host"], results["b_sizes_mb"] = {}, host(), sizes
     print(results["b_host"], flush=True)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -365,6 +392,8 @@ def only_b(args) -> int:
                 results["rss_large"][str(mb)].update(bench_rss(path, tmp, Path(args.old), args.old_procs, new=False))
                 print(mb, "old", json.dumps(results["rss_large"][str(mb)]["old"]), flush=True)
                 OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
+            elif "old" in before.get(str(mb), {}):
+                results["rss_large"][str(mb)]["old"] = {**before[str(mb)]["old"], "earlier": True}
             shutil.rmtree(d)
             for p in tmp.glob("cache-*"):
                 shutil.rmtree(p)
@@ -373,14 +402,142 @@ def only_b(args) -> int:
     return 0
 
 
+MERGE_CHILD = """
+import json, sys, time
+from pathlib import Path
+from hfscale.data.sources import Source
+from hfscale.data.store import DataOptions
+work, out, n, how, seq_len = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+def hwm():
+    return {k: int(v.split()[0]) for k, v in (l.split(":", 1) for l in open("/proc/self/status")) if k in ("VmHWM", "VmRSS")}
+args = (work, [(None, "train")] * n, [Source("synthetic.jsonl")], out, "bench", DataOptions(seq_len, format="text", packing=how),
+        4096, None, how)
+before = hwm()
+t0 = time.perf_counter()
+try:
+    from hfscale.data.merge import merge
+except ImportError:  # the code before the chunked merge
+    from hfscale.data.store import _merge as merge
+info = merge(*args)
+s = info.splits["train"]
+print(json.dumps({"before_kb": before["VmHWM"], "peak_kb": hwm()["VmHWM"], "seconds": time.perf_counter() - t0,
+                  "code": merge.__module__ + " in " + str(Path(sys.modules[merge.__module__].__file__).parents[2]),
+                  "rows": s.rows, "tokens": s.tokens, "documents": s.documents, "trained": s.trained}))
+"""
+
+
+def synthetic_parts(work: Path, tokens: int, part_tokens: int = 8_000_000, seed: int = 0) -> int:
+    """Parts as hfscale.data.parts writes them for plain text (every token trained, one run per document), without
+    tokenizing: documents of 20-400 tokens (~210 on average, like (b)'s text), parts of ~8M tokens (a 32 MiB work
+    unit of prose), tokens a fixed pattern. Returns the part count."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    pattern = (np.arange(part_tokens + 400) % 4096).astype(np.uint16)
+    n, left = 0, tokens
+    while left > 0:
+        d = work / f"part-{n:06d}"
+        d.mkdir(parents=True)
+        lens = rng.integers(20, 401, size=part_tokens // 210 + 1)
+        lens = lens[: int(np.searchsorted(np.cumsum(lens), min(part_tokens, left))) + 1]
+        ends = np.cumsum(lens)
+        pattern[: int(ends[-1])].tofile(d / "train.tok")
+        np.save(d / "train.len.npy", lens.astype(np.int64))
+        np.save(d / "train.span.npy", np.stack([ends - lens, ends], axis=1).astype(np.int64))
+        (d / "validation.tok").write_bytes(b"")
+        np.save(d / "validation.len.npy", np.zeros(0, np.int64))
+        np.save(d / "validation.span.npy", np.zeros((0, 2), np.int64))
+        counts = {"examples": len(lens), "truncated": 0, "dropped": 0, "split": 0}
+        (d / "stats.json").write_text(json.dumps({"format": "text", "source": 0, "file": "synthetic.jsonl",
+                                                  "resolved": {"train_on": "all", "overflow": "split"},
+                                                  "splits": {"train": counts, "validation": {k: 0 for k in counts}}}))
+        left -= int(ends[-1])
+        n += 1
+    return n
+
+
+def bench_merge(token_sizes, old_ref: str, tmp: Path, how: str = "wrapped", seq_len: int = 256) -> dict:
+    """The merge alone (rank 0's last step of prepare), each in a fresh child process: its VmHWM after imports and
+    at the end, on synthetic parts of each size, the code before the chunked merge (`old_ref`'s hfscale, from git
+    archive) vs this checkout's. Text; wrapped packing at seq_len 256 is (b)'s launch; bfd needs seq_len >= 400."""
+    import shutil
+
+    old_root = tmp / "old"
+    old_root.mkdir()
+    subprocess.run(f"git -C {ROOT} archive {old_ref} hfscale | tar -x -C {old_root}", shell=True, check=True)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", old_ref], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    res = {"old_ref": commit, "sizes": {}, "packing": how, "seq_len": seq_len}
+    for tokens in token_sizes:
+        work = tmp / f"parts-{tokens}"
+        t0 = time.perf_counter()
+        n = synthetic_parts(work, tokens)
+        row = {"parts": n, "generate_s": time.perf_counter() - t0}
+        for tag, root in (("old", old_root), ("new", ROOT)):
+            out = tmp / f"store-{tag}"
+            r = subprocess.run(["nice", "-n", "10", PY, "-c", MERGE_CHILD, str(work), str(out), str(n), how, str(seq_len)], env=env(root),
+                               cwd=root, capture_output=True, text=True)  # cwd: `python -c` puts it first on sys.path
+            if r.returncode:
+                raise RuntimeError(r.stderr[-3000:])
+            row[tag] = json.loads(r.stdout.strip().splitlines()[-1])
+            row[tag]["files"] = json.loads((out / "manifest.json").read_text())["files"]
+            print(tokens, tag, {k: v for k, v in row[tag].items() if k != "files"}, flush=True)
+            shutil.rmtree(out)
+        row["same_store"] = row["old"].pop("files") == row["new"].pop("files")
+        res["sizes"][str(tokens)] = row
+        shutil.rmtree(work)
+    return res
+
+
+def merge_report(r: dict, key: str = "merge") -> list[str]:
+    m = r.get(key)
+    if not m:
+        return []
+    sizes = sorted(m["sizes"], key=int)
+    how = m.get("packing", "wrapped")
+    flag = "" if how == "wrapped" else f" --merge-packing {how}"
+    lines = ["", f"### (b) the merge alone, {how} (`--only-merge{flag}`): " + m["host"], "",
+             "Rank 0's last step of prepare, in a fresh process per run: the parts (synthetic: documents of 20-400 tokens, "
+             f"~8M tokens per part, every token trained: plain text) merged into the store, {m.get('packing', 'wrapped')} "
+             f"packing, seq_len {m.get('seq_len', 256)}" + (" as (b)'s launch" if m.get("packing", "wrapped") == "wrapped" else "")
+             + f". Old: the merge before the chunked one (hfscale of {m['old_ref']}, `git archive`); new: "
+             "hfscale/data/merge.py. VmHWM of the process; 'after imports' is the same process before the merge starts.", "",
+             "| tokens | documents | rows | path | VmHWM after imports, MB | **VmHWM at the end, MB** | merge seconds | "
+             "same store files |", "|---:|---:|---:|---|---:|---:|---:|---|"]
+    for t in sizes:
+        row = m["sizes"][t]
+        for tag, what in (("old", "old: whole arrays"), ("new", "new: a chunk at a time")):
+            v = row[tag]
+            lines.append(f"| {int(t):,} | {v['documents']:,} | {v['rows']:,} | {what} | {v['before_kb'] / 1024:,.0f} | "
+                         f"**{v['peak_kb'] / 1024:,.0f}** | {v['seconds']:.1f} | {row['same_store']} |")
+    if len(sizes) == 2:
+        a, b = (m["sizes"][t] for t in sizes)
+        g = {tag: b[tag]["peak_kb"] / a[tag]["peak_kb"] - 1 for tag in ("old", "new")}
+        lines += ["", f"**Peak, {int(sizes[1]):,} vs {int(sizes[0]):,} tokens: old {g['old']:+.1%}, new {g['new']:+.1%}**; "
+                  f"at {int(sizes[1]):,} tokens the new merge peaks at {b['new']['peak_kb'] / b['old']['peak_kb']:.2f}x the "
+                  "old one's. Same store files: the manifests' sizes and xxh3 hashes compared, old vs new. What the new "
+                  "merge holds above the imports: the token copy's and the file hash's 8 MiB reads and one chunk (65,536 "
+                  "documents) of packing temporaries, fixed; the parts' bookkeeping (a few KB per part of ~8M tokens)"
+                  + ("." if how == "wrapped" else "; and, growing with the corpus, bfd's int32 arrays over every document "
+                     "(lengths, visiting order, rows: 12 bytes per document with every token trained, 16 with masks), "
+                     "as bfd chooses each row over the whole dataset.")]
+    if "load_end" in m:
+        lines += ["", f"Load average {m['load_end']:.1f} at the end, other jobs on the same 2 cores (for the wrapped run, "
+                  "the (b) launch above too): the seconds are no claim (VmHWM does not depend on the load)."]
+    return lines
+
+
 def b_large_report(r: dict) -> list[str]:
-    """(b) rerun with `--only-b` at 4 GB and 0.4 GB in one run, and the old path at 0.4 GB."""
+    """(b) rerun with `--only-b` at 0.4 GB and 4 GB in one run; the earlier run's launches (before the chunked merge)
+    and its old-path launch beside them."""
     big = r.get("rss_large")
     if not big:
         return ["Not run yet: >= 4 GB of text."]
     sizes = sorted(big, key=int)
-    lines = [f"### (b) at >= 4 GB, rerun (`--only-b --mb {','.join(map(str, r['b_sizes_mb']))} --old-procs 1`): "
-             f"{r['b_host']} (other engineers' jobs brought it to 11-17 during the run; the launches ran at nice 19).", "",
+    before = r.get("b_before") or {}
+    load = f"; load average {r['b_load']} during the run" if r.get("b_load") else ""
+    lines = [f"### (b) at >= 4 GB, rerun with the chunked merge (`--only-b --mb {','.join(map(str, r['b_sizes_mb']))} "
+             f"--old ''`): {r['b_host']}{load} (other engineers' jobs; the launches ran at nice 19).", "",
              "Each corpus: one jsonl file of the built-in corpus's documents repeated in order, each line prefixed with a "
              "counter (`make_text`: cheap to generate, no two documents equal, the tokenizer's work per byte is the "
              "real prose's). Every launch prepares its store at start into an empty cache (both ranks tokenize half, "
@@ -388,35 +545,42 @@ def b_large_report(r: dict) -> list[str]:
              "| text | path | ranks | rank peak RSS (VmHWM), MB | launch seconds |", "|---|---|---:|---|---:|"]
     for mb in sizes:
         res = big[mb]
-        for k in ("new", "old"):
-            if k not in res:
-                continue
-            v = res[k]
-            what = ("token store (this change)" if k == "new" else
-                    "old path: main before the data layer (2541c78), tokenizes into Python lists")
-            stop = " (stopped by the memory watchdog: a lower bound)" if v.get("stopped") else ""
-            lines.append(f"| {res.get('text_mb', float(mb)):,.0f} MB | {what} | {v.get('ranks', 2)} | "
-                         f"{' / '.join(f'{x:,.0f}' for x in v['rank_peak_mb'])}{stop} | {v['seconds']:.0f} |")
-    news = [big[mb]["new"]["rank_peak_mb"] for mb in sizes if "new" in big[mb]]
-    if len(news) == 2:
-        growth = [b / a - 1 for a, b in zip(sorted(news[0]), sorted(news[1]))]
-        lines += ["", f"**Per-rank peak, {sizes[1]} MB vs {sizes[0]} MB of text: "
-                  f"{' / '.join(f'{g:+.1%}' for g in growth)}** (target: within 10%)."]
-        lines += ["", "(The peaks are listed smaller first; ranks tokenize equal shares and only rank 0 merges, so the larger "
-                  "is rank 0's.) The rank that does not merge stays flat. The merging rank (it concatenates the parts' "
-                  "document lengths, packs and counts each row's trained tokens) grows with the number of documents and "
-                  "rows: those steps hold several int64 arrays of (documents + rows) entries at once (the wrapped "
-                  "packing's cut points, the segment table before its int32 cast, row_trained's per-segment bounds), "
-                  "here ~0.9 bytes per token at seq_len 256 (~3.7M rows for ~0.95B tokens, estimated from (a)'s tokens per byte). **Target met for the "
-                  "non-merging rank, not for the merging one**; a chunked merge (segments and row counts computed a "
-                  "slice of rows at a time) would bound it, not done. Training itself memory-maps the store on both "
-                  "ranks."]
+        v = res.get("new")
+        if v:
+            lines.append(f"| {res.get('text_mb', float(mb)):,.0f} MB | token store, chunked merge (this run) | {v.get('ranks', 2)} | "
+                         f"{' / '.join(f'{x:,.0f}' for x in v['rank_peak_mb'])} | {v['seconds']:.0f} |")
+    for mb, v in sorted((before.get("new") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {int(mb):,} MB | token store, whole-array merge (earlier run) | "
+                     f"{v.get('ranks', 2)} | {' / '.join(f'{x:,.0f}' for x in v['rank_peak_mb'])} | {v['seconds']:.0f} |")
     old = next((big[mb]["old"] for mb in sizes if "old" in big[mb]), None)
     if old:
-        lines += ["", f"The old path ran with {old.get('ranks', 1)} process (two of its ~18 GB processes, as the issue "
-                  "measured, cannot fit this 24 GB host), beside the rerun above (the same `bench_rss`, the watchdog at "
-                  "3 GB of free host memory)"
-                  + (f": the other engineers' jobs held ~8 GB, so the watchdog stopped it at {old['rank_peak_mb'][0]:,.0f} "
+        stop = " (stopped by the memory watchdog: a lower bound)" if old.get("stopped") else ""
+        lines.append(f"| {int(min(sizes, key=int)):,} MB | old path: main before the data layer (2541c78), tokenizes into "
+                     f"Python lists{' (earlier run)' if old.get('earlier') else ''} | {old.get('ranks', 1)} | "
+                     f"{' / '.join(f'{x:,.0f}' for x in old['rank_peak_mb'])}{stop} | {old['seconds']:.0f} |")
+
+    if before.get("new"):
+        lines += ["", f"The earlier run (before the chunked merge, same host and commands): {before.get('host')}; the other "
+                  "engineers' jobs brought it to 11-17. The 400 MB launch peaks higher in this run than in the earlier one "
+                  "(the code base moved between them), so compare the sizes within one run."]
+
+    def growth(pair):
+        return " / ".join(f"{b / a - 1:+.1%}" for a, b in zip(sorted(pair[0]), sorted(pair[1])))
+
+    news = [big[mb]["new"]["rank_peak_mb"] for mb in sizes if "new" in big[mb]]
+    if len(news) == 2:
+        lines += ["", f"**Per-rank peak, {sizes[1]} MB vs {sizes[0]} MB of text, chunked merge: {growth(news)}** "
+                  "(target: within 10%; peaks listed smaller first)."]
+        prev = before.get("new") or {}
+        if len(prev) == 2:
+            lines += ["", f"The earlier run, before the chunked merge: {growth([prev[k]['rank_peak_mb'] for k in sorted(prev, key=int)])}"
+                      ": rank 0 (the larger) held the whole-array merge, several int64 arrays of (documents + rows) "
+                      "entries (the merge alone, below: ~1.1 GB at 1B tokens). Now the merge reads and writes a chunk of "
+                      "65,536 documents at a time (hfscale/data/merge.py) and stays under the rest of the process."]
+    if old:
+        lines += ["", "The old path's row is the earlier run's (not repeated): one process (two of its ~18 GB processes, "
+                  "as the issue measured, cannot fit this 24 GB host), the watchdog at 3 GB of free host memory"
+                  + (f"; the other engineers' jobs held ~8 GB, so the watchdog stopped it at {old['rank_peak_mb'][0]:,.0f} "
                      f"MB after {old['seconds']:.0f} s, still tokenizing: a lower bound (the issue's idle-host run: 18.1 GB)."
                      if old.get("stopped") else ".")]
     return lines
@@ -497,6 +661,8 @@ def report(r: dict) -> str:
     lines += ["", "The old path is /work/main's checkout of the time (recipes/train_clm.py before this change), run at the "
               "smaller size only: at ~0.4 GB the issue measured 18.1 GB peak RSS for one process.", ""]
     lines += b_large_report(r)
+    lines += merge_report(r)
+    lines += merge_report(r, "merge_bfd")
     lines += ["", "## (c) packing efficiency, built-in chat set", "",
               f"{p['examples']:,} conversations rendered with the template, lengths {p['len_min']}-{p['len_max']} tokens "
               f"(median {p['len_median']}), rows of {p['seq_len']}.", "",

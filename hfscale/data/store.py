@@ -21,19 +21,18 @@ whose manifest holds another key is refused in one line, never used.
 
 Building (`prepare`): the input is cut into work units that depend on the files only
 (hfscale.data.sources); rank r of `world` tokenizes units r, r + world, ... and writes each as a part
-(staged, renamed) under a work directory beside the store; rank 0 merges the parts in unit order, packs, and
-renames the store into place; the other ranks wait for its manifest. No accelerate, no process group: ranks
-coordinate through renames on the shared file system, so the store is the same bytes at any world size and a
-part finished before a kill -9 is reused by the next attempt. Memory holds one unit (<= 32 MiB of input) per
-rank, then at the merge (rank 0) the document lengths and the packing: a few int64 arrays of (documents + rows)
-entries, ~0.9 bytes per token at seq_len 256 (benchmarks/data_pipeline.md (b), 4 GB of text); reading maps the files.
+(hfscale.data.parts: staged, renamed) under a work directory beside the store; rank 0 merges the parts in unit
+order, packs, and renames the store into place (hfscale.data.merge); the other ranks wait for its manifest. No
+accelerate, no process group: ranks coordinate through renames on the shared file system, so the store is the same
+bytes at any world size and a part finished before a kill -9 is reused by the next attempt. Memory holds one unit
+(<= 32 MiB of input) per rank; the merge works a chunk of documents at a time, so it does not grow with the corpus
+either (bfd: 4 bytes per document in a few int32 arrays; benchmarks/data_pipeline.md (b)); reading maps the files.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,7 +49,6 @@ SPLITS = ("train", "validation")
 OVERFLOW = {"truncate": "keep the first seq_len tokens", "drop": "skip the example",
             "split": "cut into pieces of seq_len tokens, each its own document"}
 EXIT_DISK_FULL = 74  # EX_IOERR, as a failed checkpoint save (hfscale.train.state)
-BATCH = 256  # text records tokenized per call: the fast tokenizer's batch path
 # Test seams, empty in production: hook(point, unit_index, rank) after a part is written ("part") and before the
 # store is renamed into place ("merge"); tests SIGKILL there. Nothing here reads the environment.
 FAULT_HOOKS: list = []
@@ -194,6 +192,8 @@ def prepare(data, tokenizer, opts: DataOptions, out, rank: int = 0, world: int =
     every rank returns the same StoreInfo. `out` holding another store: refused unless `force`. `tokenizer`: a
     tokenizer, or a model name (hfscale.data.formats.data_tokenizer)."""
     from ..util.atomic import check_overlap, check_parents
+    from .merge import merge
+    from .parts import write_part
 
     if isinstance(tokenizer, str):
         tokenizer = formats.data_tokenizer(tokenizer)
@@ -218,12 +218,12 @@ def prepare(data, tokenizer, opts: DataOptions, out, rank: int = 0, world: int =
         for i in range(rank, len(jobs), world):
             part = work / f"part-{i:06d}"
             if not part.is_dir():  # a part finished by an earlier, killed attempt is complete (renamed) and reused
-                _write_part(part, jobs[i][0], jobs[i][1], tok, opts, vfile is None, len(tokenizer), store_packing)
+                write_part(part, jobs[i][0], jobs[i][1], tok, opts, vfile is None, len(tokenizer), store_packing)
             for hook in FAULT_HOOKS:
                 hook("part", i, rank)
         if rank == 0:
             _wait(lambda: all((work / f"part-{i:06d}").is_dir() for i in range(len(jobs))), work, started, poll_s)
-            info = _merge(work, jobs, sources, out, key, opts, len(tokenizer), log, store_packing)
+            info = merge(work, jobs, sources, out, key, opts, len(tokenizer), log, store_packing)
             shutil.rmtree(work, ignore_errors=True)
             return info
         _wait(lambda: _manifest_key(out) == key, work, started, poll_s)
@@ -294,248 +294,6 @@ def _wait(done, work: Path, started: float, poll_s: float) -> None:
             except FileNotFoundError:
                 continue
         time.sleep(poll_s)
-
-
-def _heldout(record: dict, frac: float) -> bool:
-    """Held out by content (xxh3 of the record): the same example lands on the same side wherever it sits."""
-    import xxhash
-
-    return frac > 0 and xxhash.xxh3_64_intdigest(json.dumps(record, sort_keys=True, default=str).encode()) % 1_000_000 < frac * 1e6
-
-
-def _write_part(part: Path, unit, split: str, tok, opts: DataOptions, hold_out: bool, vocab: int,
-                store_packing: str | None = None) -> None:
-    from ..util.atomic import staged
-
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    acc = {s: _Acc() for s in SPLITS}
-    fmt = None
-    pending: list = []
-
-    def flush():
-        if not pending:
-            return
-        texts = [r["text"] for _, r, _ in pending]
-        if all(isinstance(t, str) for t in texts):
-            bodies = tok.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-            encs = [formats.Encoded(formats._wrap(tok, b), [1] * (len(b) + (tok.bos is not None) + (tok.eos is not None)))
-                    for b in bodies]
-        else:
-            encs = [formats.encode(r, "text", tok, "all", w) for w, r, _ in pending]
-        for (w, _, s), enc in zip(pending, encs):
-            acc[s].add(enc, opts, resolved, w, tok)
-        pending.clear()
-
-    resolved = None
-    for where, rec in src_mod.records(unit):
-        got = opts.format or formats.detect(rec.keys(), where)
-        if fmt is None:
-            fmt, first = got, where
-            resolved = opts.resolved(fmt, store_packing)
-            if fmt in ("messages",) or (fmt == "prompt_completion" and isinstance(rec.get("prompt"), list)):
-                if not tok.has_template:
-                    formats.encode(rec, fmt, tok, resolved["train_on"], where)  # raises the one-line refusal
-        elif got != fmt:
-            raise HfscaleError(f"{where} holds {got} data but {first} holds {fmt}: one format per input; "
-                               "split the file or set format:")
-        s = "validation" if split == "validation" or (hold_out and _heldout(rec, opts.heldout)) else "train"
-        if fmt == "text" and resolved["train_on"] == "all":
-            pending.append((where, rec, s))
-            if len(pending) >= BATCH:
-                flush()
-        else:
-            acc[s].add(formats.encode(rec, fmt, tok, resolved["train_on"], where), opts, resolved, where, tok)
-    flush()
-    with staged(part, directory=True) as stage:
-        for s, a in acc.items():
-            a.write(stage, s, dtype)
-        (stage / "stats.json").write_text(json.dumps({"format": fmt, "source": unit.source, "file": unit.file,
-                                                      "resolved": resolved, "splits": {s: a.stats for s, a in acc.items()}}))
-
-
-class _Acc:
-    """One part's documents of one split, in memory (bounded by a unit)."""
-
-    def __init__(self):
-        self.ids: list = []
-        self.lens: list = []
-        self.spans: list = []
-        self.n = 0
-        self.stats = {"examples": 0, "truncated": 0, "dropped": 0, "split": 0}
-
-    def add(self, enc, opts, resolved, where, tok) -> None:
-        formats.check_example(enc, tok, where)
-        self.stats["examples"] += 1
-        L, ids, mask = resolved["seq_len"], enc.ids, enc.mask
-        pieces = [(ids, mask)]
-        if len(ids) > L and resolved["packing"] != "wrapped":
-            how = resolved["overflow"]
-            self.stats[{"truncate": "truncated", "drop": "dropped", "split": "split"}[how]] += 1
-            if how == "drop":
-                return
-            if how == "truncate":
-                pieces = [(ids[:L], mask[:L])]
-            else:
-                pieces = [(ids[a:a + L], mask[a:a + L]) for a in range(0, len(ids), L) if len(ids) - a >= 2]
-        kept = [(i, m) for i, m in pieces if any(m[1:])]  # a piece whose only label would be its first token trains nothing
-        if not kept:
-            self.stats["dropped"] += 1 if resolved["overflow"] != "drop" else 0
-            return
-        for i, m in kept:
-            self.ids.append(np.asarray(i, dtype=np.int64))
-            self.lens.append(len(i))
-            m = np.asarray(m, dtype=np.int8)
-            edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
-            self.spans.append(edges.reshape(-1, 2) + self.n)
-            self.n += len(i)
-
-    def write(self, stage: Path, split: str, dtype) -> None:
-        ids = np.concatenate(self.ids) if self.ids else np.zeros(0, dtype=np.int64)
-        with open(stage / f"{split}.tok", "wb") as f:
-            f.write(ids.astype(dtype).tobytes())
-        save(stage / f"{split}.len.npy", np.asarray(self.lens, dtype=np.int64))
-        save(stage / f"{split}.span.npy", np.concatenate(self.spans) if self.spans else np.zeros((0, 2), np.int64))
-
-
-class _Plain:
-    """A file as numpy sees a non-file object: np.save then writes through .write, whose OSError keeps its errno
-    (ndarray.tofile raises a bare OSError on a full disk)."""
-
-    def __init__(self, f):
-        self.write = f.write
-
-
-def save(path: Path, arr) -> None:
-    with open(path, "wb") as f:
-        np.save(_Plain(f), arr)
-
-
-def _merge(work: Path, jobs, sources, out: Path, key: str, opts: DataOptions, vocab: int, log,
-           store_packing: str | None = None) -> StoreInfo:
-    from ..util.atomic import staged
-    from ..util.hashing import files_of, hash_file
-
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    parts = [work / f"part-{i:06d}" for i in range(len(jobs))]
-    stats = [json.loads((p / "stats.json").read_text()) for p in parts]
-    seen: dict = {}  # source (or "validation", a held-out file) -> {format: the first file holding it}
-    for (_, split), st in zip(jobs, stats):
-        if st["format"]:
-            seen.setdefault(st["source"] if split == "train" else split, {}).setdefault(st["format"], st["file"])
-    for fmts in seen.values():
-        if len(fmts) > 1:
-            (f1, p1), (f2, p2) = list(fmts.items())[:2]
-            raise HfscaleError(f"mixed formats: {p1} holds {f1} data, {p2} holds {f2}; one format per source (give them "
-                               "as separate sources of a mixture, 'a.jsonl,b.jsonl', or convert)")
-    train_fmts = {s: next(iter(f)) for s, f in seen.items() if s != "validation"}
-    if not seen:
-        raise HfscaleError("the data holds no examples (empty files?); pass files with at least one record")
-    kinds = set(train_fmts.values()) | set(seen.get("validation", {}))
-    if len(kinds) == 1:
-        resolved = opts.resolved(kinds.pop(), store_packing)
-    else:  # each source its own format, train_on and overflow (the parts applied them); one packing
-        resolved = {"format": "mixed", "train_on": opts.train_on or "per source", "packing": store_packing,
-                    "overflow": opts.overflow or "per source", "seq_len": opts.seq_len}
-    per_source = {}
-    splits = {}
-    with staged(out, directory=True) as stage:
-        for split in SPLITS:
-            d = stage / split
-            d.mkdir()
-            lens, spans, weights, doc_source, base = [], [], [], [], 0
-            with open(d / "tokens.bin", "wb") as f:
-                for p, st in zip(parts, stats):
-                    with open(p / f"{split}.tok", "rb") as g:
-                        shutil.copyfileobj(g, f, 8 << 20)
-                    ln = np.load(p / f"{split}.len.npy")
-                    lens.append(ln)
-                    doc_source.append(np.full(len(ln), st["source"]))
-                    spans.append(np.load(p / f"{split}.span.npy") + base)
-                    weights.append(np.full(len(ln), sources[st["source"]].weight if split == "train" else 1.0))
-                    base += int(ln.sum())
-            lens = np.concatenate(lens)
-            docs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-            spans = np.concatenate(spans).astype(np.int64)
-            save(d / "docs.npy", docs)
-            all_trained = bool(len(spans) == len(lens) and np.array_equal(spans[:, 0], docs[:-1])
-                               and np.array_equal(spans[:, 1], docs[1:]))
-            if not all_trained:
-                save(d / "spans.npy", spans)
-            order = packing.mixture_order(np.concatenate(weights))
-            packed = packing.pack(lens, opts.seq_len, resolved["packing"], order)
-            save(d / "segments.npy", packed.segments[:, :2])  # lengths follow: min(rest of the document, rest of the row)
-            save(d / "row_ptr.npy", packed.row_ptr)
-            per_seg = segment_trained(packed, docs, None if all_trained else spans)
-            trained = _row_sums(packed, per_seg)
-            save(d / "row_trained.npy", trained)
-            if split == "train" and len(sources) > 1:
-                per_source = _source_stats(sources, train_fmts, stats, jobs, np.concatenate(doc_source), packed, per_seg)
-            c = {k: sum(st["splits"][split][k] for st in stats) for k in ("examples", "truncated", "dropped", "split")}
-            splits[split] = SplitStats(documents=len(lens), tokens=packed.tokens, trained=int(trained.sum()),
-                                       rows=packed.rows, efficiency=round(packed.efficiency, 6), **c)
-            if split == "train" and splits[split].trained == 0:
-                raise HfscaleError("no token of the training data is trained (every loss mask is empty after "
-                                   f"train_on {resolved['train_on']} and overflow {resolved['overflow']}); check the data's "
-                                   "roles / completions, raise seq_len, or use train_on: all")
-            if split == "train" and packed.rows == 0:
-                raise HfscaleError(f"the training data fills no row of {opts.seq_len} tokens; lower seq_len or add data")
-        files = {n: list(hash_file(stage / n)) for n in files_of(stage)}
-        manifest = {"version": STORE_VERSION, "key": key, "options": resolved, "given": asdict(opts),
-                    "dtype": np.dtype(dtype).name, "vocab": vocab, "all_trained": {},
-                    "splits": {k: asdict(v) for k, v in splits.items()}, "files": files,
-                    "sources": [asdict(v) for v in per_source.values()]}
-        manifest["all_trained"] = {s: not (stage / s / "spans.npy").exists() for s in SPLITS}
-        (stage / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        for hook in FAULT_HOOKS:
-            hook("merge", len(jobs), 0)
-    return open_info(out)
-
-
-def row_trained(packed, docs: np.ndarray, spans: np.ndarray | None) -> np.ndarray:
-    """Tokens with a label per row: every trained token of a segment but its first (no token is predicted across
-    a document boundary)."""
-    return _row_sums(packed, segment_trained(packed, docs, spans))
-
-
-def segment_trained(packed, docs: np.ndarray, spans: np.ndarray | None) -> np.ndarray:
-    """Tokens with a label per segment (its first token never has one)."""
-    seg = packed.segments.astype(np.int64)
-    a = docs[seg[:, 0]] + seg[:, 1] + 1
-    b = docs[seg[:, 0]] + seg[:, 1] + seg[:, 2]
-    return np.maximum(b - a, 0) if spans is None else _trained_before(spans, b) - _trained_before(spans, a)
-
-
-def _row_sums(packed, per_seg: np.ndarray) -> np.ndarray:
-    cum = np.concatenate([[0], np.cumsum(per_seg)])
-    return (cum[packed.row_ptr[1:]] - cum[packed.row_ptr[:-1]]).astype(np.int32)
-
-
-def _source_stats(sources, fmts: dict, stats, jobs, doc_source: np.ndarray, packed, per_seg) -> dict:
-    """SourceStats of the train split per source of a mixture: examples from the parts, tokens and trained tokens
-    from the packed segments (a weight-2 source's documents counted twice, as the rows hold them)."""
-    seg_src = doc_source[packed.segments[:, 0]] if len(doc_source) else np.zeros(0, np.int64)
-    n = len(sources)
-    tokens = np.bincount(seg_src, weights=packed.segments[:, 2], minlength=n)
-    trained = np.bincount(seg_src, weights=per_seg, minlength=n)
-    ends = np.concatenate([[0], np.cumsum(np.bincount(doc_source, minlength=n))]) if len(doc_source) else np.zeros(n + 1)
-    out = {}
-    for i, s in enumerate(sources):
-        res = next((st["resolved"] for (_, sp), st in zip(jobs, stats) if sp == "train" and st["source"] == i
-                    and st.get("resolved")), None) or {"train_on": "", "overflow": ""}
-        examples = sum(st["splits"]["train"]["examples"] for (_, sp), st in zip(jobs, stats) if sp == "train" and st["source"] == i)
-        out[i] = SourceStats(s.path, s.weight, fmts.get(i, "empty"), res["train_on"], res["overflow"], examples,
-                             (int(ends[i]), int(ends[i + 1])), int(tokens[i]), int(trained[i]))
-    return out
-
-
-def _trained_before(spans: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """How many trained positions lie before each position in `x` (spans sorted, disjoint)."""
-    if len(spans) == 0:
-        return np.zeros_like(x)
-    before = np.concatenate([[0], np.cumsum(spans[:, 1] - spans[:, 0])])
-    k = np.searchsorted(spans[:, 0], x, side="right") - 1
-    inside = np.clip(x - spans[np.maximum(k, 0), 0], 0, spans[np.maximum(k, 0), 1] - spans[np.maximum(k, 0), 0])
-    return np.where(k >= 0, before[np.maximum(k, 0)] + inside, 0)
 
 
 # --- reading ---------------------------------------------------------------------------------------
