@@ -201,12 +201,13 @@ def _qwen3_moe(**kw):
 
 
 def _gemma4_moe():
-    """The small Gemma 4 (tiny_gemma4_config: k_eq_v global layers) with the 26B-A4B block: a router (router.proj, an
-    nn.Linear), 4 experts (top 2) beside the dense MLP in every layer."""
+    """The small Gemma 4 (tiny_gemma4_config: a sliding and a k_eq_v global layer) with the 26B-A4B block: a router
+    (router.proj, an nn.Linear), 4 experts (top 2) beside the dense MLP in every layer."""
     from hfscale.models.builtin import tiny_gemma4_config
 
     cfg = tiny_gemma4_config()
     cfg.vocab_size = cfg.vocab_size_per_layer_input = 256
+    cfg.num_hidden_layers, cfg.layer_types = 2, cfg.layer_types[:2]
     cfg.hidden_size, cfg.intermediate_size = 64, 128
     cfg.enable_moe_block, cfg.num_experts, cfg.top_k_experts, cfg.moe_intermediate_size = True, 4, 2, 32
     return cfg
