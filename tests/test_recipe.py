@@ -931,7 +931,9 @@ def test_ddp_qlora_trains_the_adapter_alone_and_merges_into_the_unquantized_base
     v = rec["verification"]
     assert rec["source"]["model"] == str(out / "model") and gguf.stat().st_size == rec["bytes"]
     assert v["tokenizer"]["identical"] == v["tokenizer"]["texts"]  # the recipe's tokenizer went along with the model
-    assert v["vs_transformers"]["top1_agreement"] >= 0.98, v["vs_transformers"]  # llama.cpp vs transformers, merged model
+    # llama.cpp vs transformers on the merged model: measured top-1 1.000 over 690 positions, max |dlogit| 0.021 (Q8_0),
+    # and the merged model's smallest top-1 margin there is 1.84 logits (the untrained base's median is 0.05: it gets 0.946)
+    assert v["vs_transformers"]["top1_agreement"] >= 0.98, v["vs_transformers"]
     merged, base = load_file(str(out / "model" / "model.safetensors")), build_model("tiny-gemma3", seed=0).state_dict()
     linears = [k for k in merged if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj")]
