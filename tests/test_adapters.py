@@ -223,11 +223,11 @@ def _build(cfg):
 @pytest.mark.parametrize("family", ["qwen3_moe", "gemma4"])
 def test_expert_lora_trains_the_experts_and_chosen_linears_alone_and_merges(family, tmp_path):
     """Expert LoRA + q/v: exactly those tensors get an adapter (by their real names; the router none), a
-    forward/backward + AdamW step moves adapter parameters only (the rest bit for bit), and the merge (live, and from
-    the saved adapter into a fresh base) computes what base + adapter computed."""
+    forward/backward + AdamW step moves adapter parameters only (the rest bit for bit), and the saved adapter merged
+    into a fresh base computes what base + adapter computed."""
     from safetensors import safe_open
 
-    from hfscale.scale.adapters import adapted, expert_parameters, merge_into_base, merge_live
+    from hfscale.scale.adapters import adapted, expert_parameters, merge_into_base
 
     cfg = _qwen3_moe() if family == "qwen3_moe" else _gemma4_moe()
     spec = AdapterSpec("lora", rank=4, targets=("q_proj", "v_proj"), experts=True)
@@ -269,12 +269,12 @@ def test_expert_lora_trains_the_experts_and_chosen_linears_alone_and_merges(fami
     # moved the logits by 0.1 / 0.67, and a routing change (an expert picked differently) moves them far more
     with torch.no_grad():
         live = pm(input_ids=ids).logits
-        plain = _build(cfg)(input_ids=ids).logits
-        saved = merge_into_base(_build(cfg), tmp_path / "adapter")(input_ids=ids).logits
-        merged = merge_live(pm)
-        inline = merged(input_ids=ids).logits
+        with pm.disable_adapter():
+            plain = pm(input_ids=ids).logits
+        merged = merge_into_base(_build(cfg), tmp_path / "adapter")  # peft's from_pretrained + merge_and_unload
+        saved = merged(input_ids=ids).logits
     assert (live - plain).abs().max() > 1e-2
-    assert torch.allclose(saved, live, atol=1e-4, rtol=1e-4) and torch.allclose(inline, live, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(saved, live, atol=1e-4, rtol=1e-4)
     assert not any("lora" in n for n, _ in merged.named_parameters())
 
 
