@@ -36,10 +36,14 @@ def test_spec_defaults_and_yaml_section():
     ({"kind": "lora", "init": "svd"}, "default, gaussian, pissa, olora"),
     ({"kind": "qlora", "init": "pissa"}, "init default with qlora"),
     ({"kind": "lora", "rnak": 4}, "did you mean 'rank'"),
+    ({"kind": "dora", "experts": True}, "cannot run with DoRA here .*use kind lora"),  # peft's ParamWrapper refuses
+    ({"kind": "lora", "dropout": 0.1, "experts": True}, "cannot run with lora_dropout 0.1"),
+    ({"kind": "qlora", "experts": True}, "cannot run with a 4-bit"),
 ])
 def test_spec_refuses_with_the_fix(section, needle):
-    with pytest.raises(ConfigError, match=needle):
+    with pytest.raises(ConfigError, match=needle) as e:
         AdapterSpec.from_mapping(section)
+    assert "\n" not in str(e.value)
 
 
 def test_targets_are_decoder_linears_only():
@@ -182,3 +186,119 @@ def test_qlora_base_is_nf4_and_merges_into_the_unquantized_base(tmp_path):
     merged = merge_into_base(tiny(), tmp_path / "adapter")
     assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, tiny().model.layers[0].self_attn.q_proj.weight)
+
+
+# --- MoE experts: LoRA on the fused 3-D expert tensors (peft's target_parameters) ----------------------------------
+
+def _qwen3_moe(**kw):
+    """A tiny Qwen3-MoE: 2 layers of 4 experts (top 2), experts fused as transformers 5 stores them
+    (experts.gate_up_proj [4, 32, 32], experts.down_proj [4, 32, 16]), the router `mlp.gate` a bare weight."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                          num_experts_per_tok=2, **kw)
+
+
+def _gemma4_moe():
+    """The small Gemma 4 (tiny_gemma4_config: a sliding and a k_eq_v global layer) with the 26B-A4B block: a router
+    (router.proj, an nn.Linear), 4 experts (top 2) beside the dense MLP in every layer."""
+    from hfscale.models.builtin import tiny_gemma4_config
+
+    cfg = tiny_gemma4_config()
+    cfg.vocab_size = cfg.vocab_size_per_layer_input = 256
+    cfg.num_hidden_layers, cfg.layer_types = 2, cfg.layer_types[:2]
+    cfg.hidden_size, cfg.intermediate_size = 64, 128
+    cfg.enable_moe_block, cfg.num_experts, cfg.top_k_experts, cfg.moe_intermediate_size = True, 4, 2, 32
+    return cfg
+
+
+def _build(cfg):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma4"])
+def test_expert_lora_trains_the_experts_and_chosen_linears_alone_and_merges(family, tmp_path):
+    """Expert LoRA + q/v: exactly those tensors get an adapter (by their real names; the router none), a
+    forward/backward + AdamW step moves adapter parameters only (the rest bit for bit), and the saved adapter merged
+    into a fresh base computes what base + adapter computed."""
+    from safetensors import safe_open
+
+    from hfscale.scale.adapters import adapted, expert_parameters, merge_into_base
+
+    cfg = _qwen3_moe() if family == "qwen3_moe" else _gemma4_moe()
+    spec = AdapterSpec("lora", rank=4, targets=("q_proj", "v_proj"), experts=True)
+    base = _build(cfg)
+    experts = expert_parameters(base, spec)
+    prefix = "model.layers.{}.mlp.experts" if family == "qwen3_moe" else "model.layers.{}.experts"
+    layers = cfg.num_hidden_layers
+    assert experts == [f"{prefix.format(i)}.{p}" for i in range(layers) for p in ("gate_up_proj", "down_proj")]
+    linears = target_modules(base, spec)
+    stacks = [tuple(base.get_parameter(n).shape) for n in experts]  # [E, out, in]
+    pm = apply_adapter(base, spec)
+    assert adapted(pm) == (set(linears), set(experts))
+    router = ".mlp.gate." if family == "qwen3_moe" else ".router."
+    trainable = [n for n, p in pm.named_parameters() if p.requires_grad]
+    assert all("lora_" in n for n in trainable) and not any(router in n for n in trainable)
+    # peft's ParamWrapper: A [r x E, in], B [out, r x E] per expert tensor; one A and one B per linear
+    assert len(trainable) == 2 * (len(linears) + len(experts))
+
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    pm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    moved = {n for n, p in pm.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == set(trainable)  # every adapter tensor moved, nothing else (expert stacks and router included)
+    assert all(p.grad is None for n, p in pm.named_parameters() if not p.requires_grad)
+
+    pm.save_pretrained(tmp_path / "adapter")
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    # the file holds every adapter tensor whole: per expert stack [E, out, in] an A [r x E, in] and a B [out, r x E]
+    rE = 4 * cfg.num_experts
+    assert len(shapes) == len(trainable)
+    assert sorted(v for k, v in shapes.items() if ".experts." in k) == sorted(
+        x for _, o, i in stacks for x in ((rE, i), (o, rE)))
+    # fp32 throughout: merging adds scale x B A into W once; the live path adds it per forward (baddbmm for the expert
+    # stacks, x A^T B^T for the linears): the same sums in another order. Measured |diff| 1e-7 (Qwen3-MoE) and 3.6e-6
+    # (Gemma 4, soft-capped) on logits ~ 0.5; 1e-4 leaves rounding room on other kernels (AVX2), while the adapter
+    # moved the logits by 0.1 / 0.67, and a routing change (an expert picked differently) moves them far more
+    with torch.no_grad():
+        live = pm(input_ids=ids).logits
+        with pm.disable_adapter():
+            plain = pm(input_ids=ids).logits
+        merged = merge_into_base(_build(cfg), tmp_path / "adapter")  # peft's from_pretrained + merge_and_unload
+        saved = merged(input_ids=ids).logits
+    assert (live - plain).abs().max() > 1e-2
+    assert torch.allclose(saved, live, atol=1e-4, rtol=1e-4)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+def test_expert_lora_refusals_are_one_line():
+    from hfscale.scale.adapters import check_engine
+
+    with pytest.raises(ConfigError, match="no MoE expert tensors.*drop experts") as e:
+        apply_adapter(tiny(), AdapterSpec("lora", rank=2, experts=True))
+    assert "\n" not in str(e.value)
+    # peft's target_parameters ran under DDP, ZeRO-2, ZeRO-3 (zero.Init) and FSDP2 (tests/scripts/expert_lora_engines.py,
+    # by hand): no engine refuses expert LoRA; QLoRA stays refused under ZeRO-3 / FSDP2
+    for zero, fsdp in [(3, False), (None, True), (2, False), (None, False)]:
+        check_engine(AdapterSpec("lora", rank=2, experts=True), zero, fsdp)
+        if zero == 3 or fsdp:
+            with pytest.raises(ConfigError, match="ddp.yaml or zero2.yaml"):
+                check_engine(AdapterSpec("qlora", rank=2), zero, fsdp)
+
+
+def test_peft_moving_the_targets_on_a_moe_model_is_refused():
+    """peft 0.21 rewrites the targets of Qwen3-MoE models (its transformers-v5 conversion maps gate_proj / up_proj /
+    down_proj onto the fused expert tensors): a dense MLP layer's linears would silently become expert LoRA."""
+    cfg = _qwen3_moe(mlp_only_layers=[1])  # layer 1: a dense MLP with gate_proj / up_proj / down_proj
+    with pytest.raises(ConfigError, match="peft adapted other tensors than asked on this qwen3_moe .*set adapter "
+                                          "targets to the attention linears"):
+        apply_adapter(_build(cfg), AdapterSpec("lora", rank=2))
+    pm = apply_adapter(_build(cfg), AdapterSpec("lora", rank=2, targets=("q_proj", "k_proj", "v_proj", "o_proj")))
+    assert len([n for n, p in pm.named_parameters() if p.requires_grad]) == 2 * 4 * 2

@@ -388,18 +388,49 @@ LORA_GC = {"use_peft": True, "gradient_checkpointing": True}
                                   args={"use_peft": True, "load_in_4bit": True}),
      Setup(accelerate=yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text()),
            args={"use_peft": True, "load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"})),
-    # the recipe's adapter section makes QLoRA under ZeRO-3 a quantized base too
-    ("qlora-zero3-storage", Setup(deepspeed=ds(), args={"adapter": {"kind": "qlora"}, "bf16": True}),
-     Setup(deepspeed=ds(), args={"adapter": {"kind": "qlora"}, "bf16": True, "bnb_4bit_quant_storage": "bfloat16"})),
 ])
 def test_adapter_traps_fire_on_bad_and_not_on_good(code, bad, good):
     assert code in codes(bad) and code not in codes(good), check_setup(bad)
 
 
+FSDP2_ACC = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text())
+
+
+@pytest.mark.parametrize("bad, good", [
+    (Setup(deepspeed=ds(), args={"adapter": {"kind": "qlora"}, "bf16": True}),
+     Setup(deepspeed=ds(DS2), args={"adapter": {"kind": "qlora"}, "bf16": True})),
+    (Setup(accelerate=FSDP2_ACC, args={"adapter": "qlora"}), Setup(accelerate=FSDP2_ACC, args={"adapter": "lora"})),
+])
+def test_doctor_refuses_the_recipes_qlora_where_the_recipe_does(bad, good):
+    # recipes/train_clm.py refuses QLoRA under ZeRO-3 and FSDP2 (scale.adapters.qlora_dtypes raises from the table
+    # engine_refusal reads); doctor reads the same table from the files before a launch and says the same line
+    from hfscale.scale.adapters import qlora_dtypes
+    from hfscale.util.errors import ConfigError
+
+    found = [f for f in check_setup(bad) if f.code == "adapter-engine-refused"]
+    assert len(found) == 1 and found[0].severity == "error" and "adapter-engine-refused" not in codes(good)
+    assert "qlora-zero3-storage" not in codes(bad)  # no storage fix offered: the recipe refuses whatever the storage
+    with pytest.raises(ConfigError) as refused:
+        qlora_dtypes("bf16", 3 if bad.deepspeed else None, bad.accelerate is not None)
+    assert f"{found[0].what}; {found[0].fix}" == str(refused.value) and "ddp.yaml or zero2.yaml" in found[0].fix
+    # a user's own Trainer (TRL keys) under ZeRO-3 with the storage peft asks for is not the recipe: not refused
+    assert "adapter-engine-refused" not in codes(Setup(deepspeed=ds(), args={"use_peft": True, "load_in_4bit": True,
+                                                                           "bf16": True, "bnb_4bit_quant_storage": "bfloat16"}))
+
+
+def test_doctor_reads_the_recipes_qlora_under_zero3_from_the_shipped_files(tmp_path):
+    recipe = tmp_path / "train.yaml"  # the recipe YAML's adapter section, as `plan --write` writes it
+    recipe.write_text(yaml.safe_dump({"model": "tiny-gemma3", "adapter": {"kind": "qlora", "rank": 8}}))
+    found = check(accelerate=ROOT / "accelerate_configs" / "zero3.yaml", args=recipe)
+    assert [f.where for f in found if f.code == "adapter-engine-refused"] == [f"{recipe}:adapter"], found
+    ok = check(accelerate=ROOT / "accelerate_configs" / "zero2.yaml", args=recipe)
+    assert "adapter-engine-refused" not in {f.code for f in ok}
+
+
 def test_recipe_adapter_keys_reach_doctor():
     # what loop.run_doctor adds for the recipe's adapter: the section, the NF4 storage the recipe loads its base with
     # (hfscale.scale.adapters.qlora_dtypes: uint8 where it runs QLoRA; under ZeRO-3 the recipe refuses QLoRA, so no
-    # storage is claimed and doctor's qlora-zero3-storage names the trap) and its non-reentrant checkpointing
+    # storage is claimed and doctor's adapter-engine-refused names it) and its non-reentrant checkpointing
     from types import SimpleNamespace
 
     from hfscale.scale.adapters import AdapterSpec
@@ -415,6 +446,8 @@ def test_recipe_adapter_keys_reach_doctor():
     zero3 = SimpleNamespace(deepspeed=ds(), fsdp=False)
     keys3 = _doctor_adapter_keys(AdapterSpec("qlora", rank=8), zero3, "bf16")
     assert "bnb_4bit_quant_storage" not in keys3
-    assert "qlora-zero3-storage" in codes(Setup(deepspeed=ds(), args={"bf16": True, **keys3}))
+    # the recipe refuses QLoRA under ZeRO-3 whatever the storage: doctor says that line, not a storage fix
+    assert {"adapter-engine-refused"} <= codes(Setup(deepspeed=ds(), args={"bf16": True, **keys3})) and \
+        "qlora-zero3-storage" not in codes(Setup(deepspeed=ds(), args={"bf16": True, **keys3}))
     assert _doctor_adapter_keys(AdapterSpec("none"), zero3, "bf16") == {} and _doctor_adapter_keys(None, zero3, "bf16") == {}
     assert _doctor_adapter_keys({"kind": "lora"}, SimpleNamespace(deepspeed=None), "fp32")["adapter"]["rank"] == 16

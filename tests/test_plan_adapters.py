@@ -107,3 +107,26 @@ def test_write_round_trips_the_adapter(tmp_path, kind, zero, storage):
     assert args.get("bnb_4bit_quant_storage") == storage and args.get("load_in_4bit", False) is (kind == "qlora")
     found = check(accelerate=tmp_path / "plan.yaml", args=tmp_path / "training_args.yaml", num_processes=8)
     assert [f for f in found if f.severity == "error"] == [], found
+
+
+def test_lora_params_count_expert_lora_as_peft_builds_it():
+    # a spec with experts: the planner's trainable count equals what peft's target_parameters really adds on a small
+    # Gemma 4 MoE (26B-A4B's block: router + 4 experts beside the dense MLP), to the parameter; without experts the
+    # expert stacks get nothing (the router never)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hfscale.models.builtin import tiny_gemma4_config
+    from hfscale.plan.memory import lora_params
+    from hfscale.scale.adapters import apply_adapter
+
+    cfg = tiny_gemma4_config()
+    cfg.vocab_size = cfg.vocab_size_per_layer_input = 256
+    cfg.enable_moe_block, cfg.num_experts, cfg.top_k_experts, cfg.moe_intermediate_size = True, 4, 2, 32
+    d = dims_from_config(cfg)
+    for spec in (AdapterSpec("lora", rank=4), AdapterSpec("lora", rank=4, experts=True)):
+        torch.manual_seed(0)
+        pm = apply_adapter(AutoModelForCausalLM.from_config(cfg), spec)
+        assert lora_params(d, spec) == sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    # 4 layers x 4 experts x r 4 x (2 h + 3 I') = 4 x 4 x 4 x (256 + 96)
+    assert lora_params(d, spec) - lora_params(d, AdapterSpec("lora", rank=4)) == 4 * 4 * 4 * (2 * 128 + 3 * 32)

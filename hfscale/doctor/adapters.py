@@ -13,6 +13,8 @@ The traps (issue 37; ../shared/ANCHORS.md "Adapters"):
   adapter-gemma4-clippable   Gemma 4's vision / audio towers hold Gemma4ClippableLinear (not an nn.Linear) under
                              the decoder's names (q_proj, gate_proj, ...): peft rejects them (peft #3129)
   qlora-fsdp2-storage        a 4-bit base under FSDP2 stored as uint8 trains to loss 0 / NaN (accelerate #3983)
+  adapter-engine-refused     the recipe's `adapter: qlora` under ZeRO-3 or FSDP2, which recipes/train_clm.py refuses
+                             (hfscale.scale.adapters.engine_refusal: the table the recipe raises from)
 Run on CPU: tests/test_doctor.py (each with a failing and a passing input).
 """
 
@@ -147,14 +149,32 @@ def gemma4_clippable(s: Setup) -> Iterator[Finding]:
 
 @check
 def qlora_fsdp2_storage(s: Setup) -> Iterator[Finding]:
+    from ..scale.adapters import nf4_storage
     from .fsdp import _fsdp2
 
     v, a = adapter_view(s), s.args if isinstance(s.args, dict) else {}
     if v is None or v.kind != "qlora" or not _fsdp2(s) or isinstance(a.get("adapter"), (dict, str)):
-        return  # the recipe's section: hfscale loads the base with the storage FSDP2 needs (plan.adapters.quant_storage)
+        return  # the recipe's section: hfscale's recipe refuses QLoRA under FSDP2 (adapter-engine-refused below)
     storage = get(a, "bnb_4bit_quant_storage")
     if storage in (MISSING, "uint8", "torch.uint8"):
+        want = nf4_storage("fp16" if get(a, "fp16") is True else "bf16", None, fsdp=True)  # the one storage rule
         yield Finding("qlora-fsdp2-storage", "error", _args(s, "bnb_4bit_quant_storage"),
                       f"a 4-bit base under FSDP2 stored as {storage if storage is not MISSING else 'uint8 (the default)'} "
                       "trains to loss 0 / NaN (accelerate #3983): FSDP2 shards parameters of one dtype",
-                      "set bnb_4bit_quant_storage to the model's dtype (bfloat16)")
+                      f"set bnb_4bit_quant_storage to the model's dtype ({want})")
+
+
+@check
+def adapter_engine_refused(s: Setup) -> Iterator[Finding]:
+    """The recipe's own QLoRA (`adapter: qlora` / `adapter: {kind: qlora}`) on an engine the recipe refuses it on: the
+    same table (scale.adapters.engine_refusal) the recipe raises from, so doctor says it from the files before a
+    launch. TRL's keys (a user's own Trainer) are left to qlora-zero3-storage / qlora-fsdp2-storage."""
+    from ..scale.adapters import engine_refusal
+    from .fsdp import _fsdp2
+
+    v, a = adapter_view(s), s.args if isinstance(s.args, dict) else {}
+    if v is None or not isinstance(a.get("adapter"), (dict, str)):
+        return
+    refused = engine_refusal(v.kind, zero_stage(s), _fsdp2(s))
+    if refused is not None:
+        yield Finding("adapter-engine-refused", "error", v.where, refused[0], refused[1])

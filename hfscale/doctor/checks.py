@@ -319,11 +319,14 @@ def quantized_zero3(s: Setup) -> Iterator[Finding]:
     if zero_stage(s) != 3:
         return
     a = s.args or {}
-    if _quantized_4bit(s):
+    # the recipe's own `adapter: qlora` under ZeRO-3 is refused whatever the storage: adapters.adapter_engine_refused
+    if _quantized_4bit(s) and not isinstance(a.get("adapter") if isinstance(a, dict) else None, (dict, str)):
         storage = get(a, "bnb_4bit_quant_storage")
         if storage is MISSING:
             storage = get(a, "quantization_config.bnb_4bit_quant_storage")
-        dtype = "bfloat16" if get(a, "bf16") is True or ds_precision(s.deepspeed) == "bf16" else "float16"
+        from ..scale.adapters import nf4_storage  # the one storage rule (the recipe's and plan --write's)
+
+        dtype = nf4_storage("bf16" if get(a, "bf16") is True or ds_precision(s.deepspeed) == "bf16" else "fp16", 3, False)
         if storage not in (dtype, "bf16" if dtype == "bfloat16" else "fp16"):
             yield Finding("qlora-zero3-storage", "error", _args(s, "bnb_4bit_quant_storage"),
                           f"a 4-bit base under ZeRO-3 needs its storage dtype to equal the model dtype (got {storage if storage is not MISSING else 'unset'})",

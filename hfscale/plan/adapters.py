@@ -76,12 +76,13 @@ def recipe_section(spec) -> dict | None:
 
 
 def quant_storage(engine: str, precision: str) -> str:
-    """For a user's own Trainer (TRL keys): the dtype bitsandbytes stores a 4-bit base in. ZeRO-3 and FSDP2 flatten /
-    shard parameters of one dtype, so there the model's (peft's docs: bnb_4bit_quant_storage = the compute dtype;
-    uint8 on FSDP2 trains to loss 0 / NaN, accelerate #3983); DDP and ZeRO-1/2 keep uint8. hfscale's own recipe
-    loads its base by hfscale.scale.adapters.qlora_dtypes, which refuses QLoRA under ZeRO-3 / FSDP2 (measured)."""
-    sharded = engine in ("zero3", "fsdp2")
-    return ("bfloat16" if precision == "bf16" else "float32") if sharded else "uint8"
+    """For a user's own Trainer (TRL keys): the dtype bitsandbytes stores a 4-bit base in on `engine` (zero3 | fsdp2 |
+    other), by the one rule hfscale.scale.adapters.nf4_storage (the model's dtype where parameters are sharded as
+    one dtype, uint8 elsewhere). hfscale's own recipe loads its base by the same rule (qlora_dtypes), and refuses
+    QLoRA under ZeRO-3 / FSDP2 (scale.adapters.QLORA_REFUSED, measured; doctor's adapter-engine-refused)."""
+    from ..scale.adapters import nf4_storage
+
+    return nf4_storage(precision, 3 if engine == "zero3" else None, engine == "fsdp2")
 
 
 def trainer_keys(spec, engine: str, precision: str) -> dict:

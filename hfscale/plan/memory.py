@@ -416,7 +416,11 @@ def lora_params(d: Dims, spec) -> int:
     if isinstance(spec, int):
         spec = AdapterSpec("lora", rank=spec)
     wanted, r = set(spec.targets), spec.rank
-    return sum(r * (i + o) + (o if spec.dora else 0) for name, i, o in decoder_linears(d) if name in wanted)
+    # spec.experts: peft's target_parameters puts one A [r·E, in] and one B [out, r·E] on each fused expert tensor,
+    # gate_up_proj [E, 2I', h] and down_proj [E, h, I']: r·E·(h + 2I') + r·E·(I' + h) per MoE layer
+    experts = sum(r * d.experts * (2 * d.hidden + 3 * d.moe_intermediate) for ld in d.per_layer if ld.moe)
+    return sum(r * (i + o) + (o if spec.dora else 0) for name, i, o in decoder_linears(d) if name in wanted) + (
+        experts if getattr(spec, "experts", False) else 0)
 
 
 def expert_params(d: Dims) -> int:

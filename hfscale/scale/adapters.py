@@ -18,7 +18,10 @@ adapter_config.json holds one regex of the exact names), so Gemma 4's per-layer-
 never get an adapter, and the vision / audio towers only with `towers=True`; there Gemma 4's Gemma4ClippableLinear
 (an nn.Module around an nn.Linear, which peft rejects: peft #3129) is adapted through its inner `.linear`, keeping
 the clipping around it. Tied embeddings stay tied (peft's ensure_weight_tying; modules_to_save would untie them,
-peft #1750). Ran on CPU only (docs/adapters.md: which engine and kind ran).
+peft #1750). MoE experts (`experts=True`): LoRA on each `experts` module's fused 3-D tensors (gate_up_proj, down_proj)
+through peft's target_parameters, named exactly (expert_parameters); the router never; ran by hand under DDP, ZeRO-2,
+ZeRO-3 (zero.Init) and FSDP2 (tests/scripts/expert_lora_engines.py). apply_adapter checks that peft adapted exactly the modules and tensors asked (peft's MoE target
+conversion rewrites Qwen3-MoE's). Ran on CPU only (docs/adapters.md: which engine and kind ran).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class AdapterSpec:
     lora_plus_ratio: float = 1.0  # LoRA+: B's learning rate = this x A's (paper: 16); 1 = plain LoRA
     init: str = "default"  # default | gaussian | pissa | olora
     trainable_tokens: tuple = ()  # embedding rows trained (new tokens; peft trainable_token_indices), tied kept tied
+    # also LoRA on the MoE experts' 3-D parameters (Qwen3-MoE, Gemma 4 26B-A4B: `experts.gate_up_proj`,
+    # `experts.down_proj`) through peft's target_parameters; the router never gets an adapter
+    experts: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -84,6 +90,12 @@ class AdapterSpec:
         if self.kind == "qlora" and self.init in ("pissa", "olora"):
             raise ConfigError(f"init {self.init} rewrites the base weights from their SVD/QR, which a 4-bit base "
                               "cannot hold exactly; use --adapter lora with init pissa, or init default with qlora")
+        if self.experts and (self.dora or self.dropout or self.init in ("pissa", "olora") or self.base_bits == 4):
+            what = ("DoRA" if self.dora else f"lora_dropout {self.dropout}" if self.dropout else
+                    f"init {self.init}" if self.init in ("pissa", "olora") else "a 4-bit (QLoRA) base")
+            raise ConfigError(f"adapter experts (peft's target_parameters) cannot run with {what} here (peft's "
+                              "ParamWrapper has no DoRA, dropout or SVD init; a QLoRA expert stack has not run); use kind "
+                              "lora, dropout 0, init default or gaussian with experts, or drop experts")
         if any(t < 0 for t in self.trainable_tokens):
             raise ConfigError(f"trainable_tokens must be token ids >= 0 (got {list(self.trainable_tokens)})")
 
@@ -112,7 +124,8 @@ class AdapterSpec:
         extras = [f"alpha {self.alpha:g}"] + (["rsLoRA"] if self.rslora else []) + (
             [f"LoRA+ x{self.lora_plus_ratio:g}"] if self.lora_plus_ratio != 1 else []) + (
             [f"init {self.init}"] if self.init != "default" else []) + (
-            [f"{len(self.trainable_tokens)} trainable tokens"] if self.trainable_tokens else [])
+            [f"{len(self.trainable_tokens)} trainable tokens"] if self.trainable_tokens else []) + (
+            ["experts"] if self.experts else [])
         return f"{NAMES[self.kind]} r{self.rank} ({', '.join(extras)})"
 
     def to_dict(self) -> dict:
@@ -165,6 +178,25 @@ def target_modules(model, spec: AdapterSpec) -> list[str]:
     return found
 
 
+def expert_parameters(model, spec: AdapterSpec) -> list[str]:
+    """The full names of the MoE expert tensors the adapter goes on (spec.experts): the 3-D parameters of every module
+    named `experts` (transformers 5 fuses each layer's experts into `gate_up_proj` [E, 2I, H] and `down_proj`
+    [E, H, I]: Qwen3MoeExperts, Gemma4TextExperts), outside the towers unless spec.towers. [] without spec.experts;
+    refused (one line) when the model has none. Under ZeRO-3's zero.Init the shape is read from `ds_shape`."""
+    if not spec.experts:
+        return []
+    found = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "experts" or (not spec.towers and any(t in name.split(".") for t in TOWERS)):
+            continue
+        found += [f"{name}.{p_name}" for p_name, p in module.named_parameters(recurse=False)
+                  if len(getattr(p, "ds_shape", p.shape)) == 3]
+    if not found:
+        raise ConfigError("adapter experts: the model has no MoE expert tensors (3-D parameters of an `experts` module); "
+                          "drop experts (it is for MoE models such as Qwen3-MoE or Gemma 4 26B-A4B)")
+    return found
+
+
 def lora_config(model, spec: AdapterSpec):
     """peft's LoraConfig for this spec and model (targets resolved to full module names)."""
     from peft import LoraConfig
@@ -176,9 +208,28 @@ def lora_config(model, spec: AdapterSpec):
     # one regex of the exact names: peft matches a list's entries as suffixes, so "q_proj" would also take a tower's
     # "vision_tower.q_proj" (a Gemma4ClippableLinear peft rejects); a str target is re.fullmatch'ed
     exact = "|".join(re.escape(n) for n in target_modules(model, spec))
+    if spec.experts:  # exact names too: peft matches each as a name or a suffix of one
+        kw["target_parameters"] = expert_parameters(model, spec)
     return LoraConfig(r=int(spec.rank), lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                       target_modules=f"(?:{exact})", bias="none", use_rslora=spec.rslora,
                       use_dora=spec.dora, init_lora_weights=INITS[spec.init], **kw)
+
+
+def adapted(peft_model) -> tuple[set, set]:
+    """(module names, parameter names) peft put a LoRA on, in the base model's own names (a ParamWrapper nests one
+    wrapper per parameter, `experts` then `experts.base_layer`)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    modules, params = set(), set()
+    for name, m in peft_model.named_modules():
+        if not isinstance(m, LoraLayer) or "default" not in getattr(m, "lora_A", {}):
+            continue
+        own = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if isinstance(m, ParamWrapper):
+            params.add(f"{own}.{m.parameter_name}")
+        else:
+            modules.add(own)
+    return modules, params
 
 
 def apply_adapter(model, spec: AdapterSpec):
@@ -188,7 +239,22 @@ def apply_adapter(model, spec: AdapterSpec):
         return model
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(model, spec))
+    config = lora_config(model, spec)
+    want = (set(target_modules(model, spec)), set(expert_parameters(model, spec)))
+    model = get_peft_model(model, config)
+    # peft 0.21 rewrites the targets of some MoE models (qwen3_moe, mixtral: its transformers-v5 conversion turns a
+    # regex into leaf names and maps gate_proj / up_proj / down_proj onto the fused expert tensors, router `gate` onto
+    # gate.weight): what was adapted must be what was asked, or the run says so rather than train something else
+    got = adapted(model)
+    if got != want:
+        extra = sorted((got[0] - want[0]) | (got[1] - want[1]))
+        missing = sorted((want[0] - got[0]) | (want[1] - got[1]))
+        kind = getattr(getattr(model, "config", None), "model_type", "model")
+        raise ConfigError(f"peft adapted other tensors than asked on this {kind} (added "
+                          f"{', '.join(extra[:2]) or 'none'}; left out {', '.join(missing[:2]) or 'none'}: its MoE target "
+                          "conversion); set adapter targets to the attention linears (q_proj,k_proj,v_proj,o_proj) and "
+                          "experts: true for the expert tensors")
+    return model
 
 
 def adapter_param_groups(model, spec: AdapterSpec, lr: float, weight_decay: float = 0.0) -> list[dict]:
@@ -219,25 +285,57 @@ def bnb_config(compute_dtype, storage_dtype):
                               bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage_dtype)
 
 
+# the engines hfscale's recipe refuses a 4-bit base on: engine -> (what happened here, the way out). Read by
+# engine_refusal: the recipe raises it before any process group (qlora_dtypes -> check_engine), hfscale doctor reports
+# it from the config files before a run (adapter-engine-refused).
+QLORA_REFUSED = {
+    "fsdp2": ("a 4-bit (QLoRA) base under FSDP2 has not run here (uint8 storage trains to loss 0 / NaN, accelerate #3983)",
+              "launch with accelerate_configs/ddp.yaml or zero2.yaml, or use --adapter lora under FSDP2"),
+    "zero3": ("a 4-bit (QLoRA) base under ZeRO-3 changed during training here (bitsandbytes 0.50, DeepSpeed 0.19, CPU: "
+              "the packed NF4 weights of the frozen base differed between checkpoints)",
+              "launch with accelerate_configs/ddp.yaml or zero2.yaml, or use --adapter lora under ZeRO-3"),
+}
+
+def engine_of(zero_stage: int | None, fsdp: bool) -> str:
+    """The engine as the adapter rules see it: fsdp2 | zero3 (both shard parameters of one dtype) | other."""
+    return "fsdp2" if fsdp else "zero3" if zero_stage == 3 else "other"
+
+
+def engine_refusal(kind: str, zero_stage: int | None, fsdp: bool) -> tuple[str, str] | None:
+    """(what, the way out) where hfscale refuses an adapter of `kind` on this engine (QLORA_REFUSED), else None.
+    LoRA on MoE experts is refused nowhere: peft's target_parameters ran on DDP, ZeRO-2, ZeRO-3 (zero.Init) and FSDP2
+    (tests/scripts/expert_lora_engines.py, by hand)."""
+    return QLORA_REFUSED.get(engine_of(zero_stage, fsdp)) if KINDS.get(kind, (16,))[0] == 4 else None
+
+
+def check_engine(spec: AdapterSpec, zero_stage: int | None, fsdp: bool) -> None:
+    """The launch's refusal of `spec` on this engine, one line naming the way out (ConfigError), or nothing."""
+    refused = engine_refusal(spec.kind, zero_stage, fsdp)
+    if refused is not None:
+        raise ConfigError("; ".join(refused))
+
+
+def nf4_storage(precision: str, zero_stage: int | None, fsdp: bool) -> str:
+    """The dtype (a torch name) bitsandbytes stores the packed 4-bit bytes in on an engine: ZeRO-3 and FSDP2 flatten /
+    shard parameters of one dtype, so there the model's (peft's docs: bnb_4bit_quant_storage = the compute dtype; uint8
+    on FSDP2 trains to loss 0 / NaN, accelerate #3983); DDP and ZeRO-1/2 keep uint8. The one home of the rule: the
+    recipe (qlora_dtypes), the planner's Trainer keys (plan.adapters.quant_storage) and doctor read it."""
+    if engine_of(zero_stage, fsdp) == "other":
+        return "uint8"
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+
+
 def qlora_dtypes(precision: str, zero_stage: int | None, fsdp: bool):
     """(compute dtype, storage dtype) of an NF4 base for a launch: DeepSpeed casts its module to the run's 16-bit
-    dtype, so there the non-quantized weights are in it (elsewhere fp32, autocast computing in 16 bits); ZeRO-3
-    partitions every parameter as one dtype, so there the packed bytes would be stored in the module's dtype (peft's
-    docs; hfscale doctor's qlora-zero3-storage), uint8 otherwise. ZeRO-3 and FSDP2 are refused: one line naming the
-    way out. ZeRO-3 ran (2 CPU ranks, bf16 storage, zero.Init) and trained, but the frozen NF4 weights moved between
-    its checkpoints (measured, tests/test_adapters.py's refusal names it), so it is refused rather than trusted."""
+    dtype, so there the non-quantized weights are in it (elsewhere fp32, autocast computing in 16 bits); the storage
+    is nf4_storage's. ZeRO-3 and FSDP2 are refused (QLORA_REFUSED, check_engine): one line naming the way out.
+    ZeRO-3 ran (2 CPU ranks, bf16 storage, zero.Init) and trained, but the frozen NF4 weights moved between its
+    checkpoints (measured, tests/test_adapters.py's refusal names it), so it is refused rather than trusted."""
     import torch
 
-    if fsdp:
-        raise ConfigError("a 4-bit (QLoRA) base under FSDP2 has not run here (uint8 storage trains to loss 0 / NaN, "
-                          "accelerate #3983); launch with accelerate_configs/ddp.yaml or zero2.yaml, "
-                          "or use --adapter lora under FSDP2")
-    if zero_stage == 3:
-        raise ConfigError("a 4-bit (QLoRA) base under ZeRO-3 changed during training here (bitsandbytes 0.50, DeepSpeed "
-                          "0.19, CPU: the packed NF4 weights of the frozen base differed between checkpoints); launch with "
-                          "accelerate_configs/ddp.yaml or zero2.yaml, or use --adapter lora under ZeRO-3")
+    check_engine(AdapterSpec("qlora"), zero_stage, fsdp)
     ds16 = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if zero_stage is not None else None
-    return ds16 or torch.float32, torch.uint8
+    return ds16 or torch.float32, getattr(torch, nf4_storage(precision, zero_stage, fsdp))
 
 
 def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: int = 0, scratch=None, device_map=None):
