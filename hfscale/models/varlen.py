@@ -20,7 +20,8 @@ masking_utils.py):
     `cu_seq_lens_q/k` over the B x L flattened tokens (as DataCollatorWithFlattening or
     hfscale.models.documents.flash_varlen_kwargs give them), `sliding_window` (applied inside each document: key k
     is seen by query q when q - k < window), `scaling`, `softcap` (Gemma 2's tanh capping, computed explicitly),
-    `dropout`, GQA (fewer K/V heads: sdpa's enable_gqa).
+    `dropout`, GQA (fewer K/V heads: sdpa's enable_gqa). A document of >= 3 windows skips the keys its window hides
+    (query blocks against window + block keys), as flash's window_size does.
   - AttentionMaskInterface["hfscale_varlen"] = `varlen_mask`: for a causal / sliding forward over the whole
     sequence without padding (training, a prompt's prefill) it returns None, so no dense mask is built; anything
     else (decoding with a cache, a 2-D padding mask, image tokens' bidirectional overlays, encoders) gets sdpa's
@@ -130,9 +131,11 @@ def documents(batch: int, length: int, position_ids=None, cu_seq_lens=None) -> t
 
 
 def _plan(batch: int, length: int, device, position_ids=None, cu_seq_lens=None):
-    """[(P, index Long[n, P] into the flattened tokens, B x L = the zero pad row, valid Bool[n x P])] and the
-    inverse order of the tokens as the groups emit them. Cached by the boundaries themselves, so the forward's
-    other layers reuse it (a key by tensor identity could match a freed batch's reused memory)."""
+    """The groups ([(P, n)]: n documents padded to P), one index Long[sum n x P] of the flattened tokens laid out
+    group after group (B x L = the zero pad row), and where each token lands in that layout (Long[B x L]). One
+    gather in, one gather out: per-group indexing would make autograd zero-fill the whole flattened tensor once
+    per group. Cached by the boundaries themselves, so the forward's other layers reuse it (a key by tensor
+    identity could match a freed batch's reused memory)."""
     import torch
 
     starts, lens = documents(batch, length, position_ids, cu_seq_lens)
@@ -149,19 +152,20 @@ def _plan(batch: int, length: int, device, position_ids=None, cu_seq_lens=None):
         groups.append((top, order[i:j]))
         i = j
     pad = batch * length
-    plan, emitted = [], []
+    sizes, index, at = [], [], 0
+    where = torch.empty(pad, dtype=torch.long)  # each token's row in the groups' padded layout, end to end
     for top, docs in groups:
         ar = torch.arange(top)
         s = torch.tensor([starts[d] for d in docs])[:, None]
-        n = torch.tensor([lens[d] for d in docs])[:, None]
-        valid = ar[None] < n
-        index = torch.where(valid, s + ar[None], pad)
-        emitted.append(index[valid])
-        plan.append((top, index.to(device), valid.reshape(-1).to(device)))
-    inverse = torch.argsort(torch.cat(emitted)).to(device)
+        valid = ar[None] < torch.tensor([lens[d] for d in docs])[:, None]
+        index.append(torch.where(valid, s + ar[None], pad).reshape(-1))
+        where[index[-1][valid.reshape(-1)]] = at + torch.nonzero(valid.reshape(-1)).reshape(-1)
+        sizes.append((top, len(docs)))
+        at += top * len(docs)
+    plan = (sizes, torch.cat(index).to(device), where.to(device))
     _plans.clear()
-    _plans[key] = (plan, inverse)
-    return plan, inverse
+    _plans[key] = plan
+    return plan
 
 
 def _attend(q, k, v, mask, is_causal: bool, scaling, softcap, dropout: float):
@@ -185,6 +189,34 @@ def _attend(q, k, v, mask, is_causal: bool, scaling, softcap, dropout: float):
     return torch.matmul(F.dropout(probs, p=dropout, training=dropout > 0), v)
 
 
+def _windowed(q, k, v, window: int, scaling, softcap, dropout: float):
+    """Causal attention within `window` over [n, H, P, D] documents, skipping what the window hides: queries in
+    blocks of C = window, block j attending to the window + C keys before its end (absolute j*C - window ...
+    (j+1)*C - 1), so the cost is ~P x 2 x window instead of P^2 (used from P >= 3 x window, where it is less)."""
+    import torch
+    import torch.nn.functional as F
+
+    n, H, P, D = q.shape
+    C = window
+    nb = -(-P // C)
+    tail = nb * C - P
+    qb = F.pad(q, (0, 0, 0, tail)).reshape(n, H, nb, C, D).transpose(1, 2).reshape(n * nb, H, C, D)
+
+    def blocks(t):  # [n, h, P, D] -> [n x nb, h, C + window, D]; `window` zero keys in front, `tail` behind
+        u = F.pad(t, (0, 0, window, tail)).unfold(2, C + window, C)  # [n, h, nb, D, C + window]
+        return u.permute(0, 2, 1, 4, 3).reshape(n * nb, t.shape[1], C + window, D)
+
+    i = torch.arange(C, device=q.device)[:, None]
+    t = torch.arange(C + window, device=q.device)[None]
+    j = torch.arange(nb, device=q.device)[:, None, None]
+    # query i of block j is token j*C + i, key t is token j*C + t - window: seen when 0 <= query - key < window
+    # and the key is a real token (>= 0)
+    mask = (t > i) & (t <= i + window) & (j * C + t >= window)  # [nb, C, C + window]
+    mask = mask[None].expand(n, nb, C, C + window).reshape(n * nb, 1, C, C + window)
+    out = _attend(qb, blocks(k), blocks(v), mask, False, scaling, softcap, dropout)
+    return out.reshape(n, nb, H, C, D).transpose(1, 2).reshape(n, H, nb * C, D)[:, :, :P]
+
+
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                      sliding_window=None, softcap=None, position_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                      is_causal=None, **kwargs):
@@ -205,19 +237,23 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
         return out.transpose(1, 2).contiguous(), None
     if cu_seq_lens_q is not None and cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
         raise ValueError("the varlen kernel takes self-attention documents: cu_seq_lens_q must equal cu_seq_lens_k")
-    plan, inverse = _plan(B, L, query.device, position_ids, cu_seq_lens_q)
-    flat = [torch.cat([t.transpose(1, 2).reshape(B * L, t.shape[1], D), t.new_zeros(1, t.shape[1], D)])
-            for t in (query, key, value)]  # [B x L + 1, heads, D]: the last row pads the shorter documents
-    pieces = []
-    for top, index, valid in plan:
-        q, k, v = (f[index].transpose(1, 2) for f in flat)  # [n, heads, P, D]
-        band = None
-        if sliding_window is not None and top > sliding_window:
+    sizes, index, where = _plan(B, L, query.device, position_ids, cu_seq_lens_q)
+    laid = [torch.cat([t.transpose(1, 2).reshape(B * L, t.shape[1], D), t.new_zeros(1, t.shape[1], D)])[index]
+            for t in (query, key, value)]  # [sum n x P, heads, D]: the zero row pads the shorter documents
+    pieces, at = [], 0
+    for top, n in sizes:
+        q, k, v = (t[at:at + n * top].view(n, top, t.shape[1], D).transpose(1, 2) for t in laid)  # [n, heads, P, D]
+        at += n * top
+        if sliding_window is not None and top >= 3 * sliding_window:
+            out = _windowed(q, k, v, sliding_window, scaling, softcap, dropout)
+        elif sliding_window is not None and top > sliding_window:
             idx = torch.arange(top, device=query.device)
             band = (idx[None, :] <= idx[:, None]) & (idx[:, None] - idx[None, :] < sliding_window)
-        out = _attend(q, k, v, band, True, scaling, softcap, dropout)
-        pieces.append(out.transpose(1, 2).reshape(-1, H, D)[valid])
-    out = torch.cat(pieces)[inverse]
+            out = _attend(q, k, v, band, False, scaling, softcap, dropout)
+        else:
+            out = _attend(q, k, v, None, True, scaling, softcap, dropout)
+        pieces.append(out.transpose(1, 2).reshape(n * top, H, D))
+    out = torch.cat(pieces)[where]
     return out.reshape(B, L, H, D), None
 
 
