@@ -478,18 +478,25 @@ def d_report(r: dict) -> list[str]:
         loads = ", ".join(f"{g['load']:.1f}" for g in t["rounds"])
         lines += ["", f"varlen over packed (same rows, the kernel alone): {vp['median']:.2f}x median "
                   f"({vp['min']:.2f}-{vp['max']:.2f}). Load average after each round: {loads} (2 cores).", ""]
-    met = all(t["flat"]["thread_s"]["median"] >= 1.5 for t in r["throughput"])
+    met = [t["seq_len"] for t in r["throughput"] if t["flat"]["thread_s"]["median"] >= 1.5]
+    missed = [t["seq_len"] for t in r["throughput"] if t["seq_len"] not in met]
+    verdict = ("met at every seq_len" if not missed else "not met" if not met else
+               f"met at {', '.join(map(str, met))}, not at {', '.join(map(str, missed))}")
     got = "; ".join(f"{t['flat']['thread_s']['median']:.2f}x flat, {t['varlen']['thread_s']['median']:.2f}x varlen, "
                     f"{t['packed']['thread_s']['median']:.2f}x packed at {t['seq_len']}" for t in r["throughput"])
     bound = ", ".join(f"{t['slots']['padded'] / t['real_tokens']:.2f}x at {t['seq_len']}" for t in r["throughput"])
-    lines += [f"**Target >= 1.5x: {'met' if met else 'not met'} by the padding-free varlen pass on this host** (CPU, the "
-              f"tiny model, thread CPU time): {got}. Where compute follows the token slots, the ceiling is padded's slots / "
-              f"the real tokens: {bound}. Under sdpa's block mask a packed row still costs its whole L x L attention "
-              "(and the masked CPU kernel); the varlen kernel computes each document's own causal block, so the packed "
-              "rows then cost what their slots cost, and dropping the rows' trailing padding (flat) takes the rest. "
-              "What remains is the per-slot work of the MLPs, the 4,096-id LM head and the loss, equal per token in every "
-              "pass. The sliding window is applied as a mask inside each document (not skipped), and flash-attention's "
-              "own varlen kernel (CUDA) was not run.", ""]
+    base = ", ".join(f"{t['median_s']['padded']['thread_s']:.2f} s at {t['seq_len']}" for t in r["throughput"])
+    real = " vs ".join(f"{t['real_tokens']:,}" for t in r["throughput"])
+    lines += [f"**Target >= 1.5x (padding-free vs padded): {verdict}** on this host (CPU, the tiny model, thread CPU "
+              f"time): {got}. Padded holds {bound} the real tokens in its slots. Under sdpa's block mask a packed row still "
+              "pays its whole L x L attention through the masked CPU kernel, so packing alone gains little (nothing at "
+              "1024); the varlen kernel computes each document's own causal block (and, for documents of >= 3 windows, "
+              "only the keys the 64-token window shows), so the packed rows then cost about what their slots cost, and "
+              "the flat layout drops the rows' trailing padding too. What remains is the per-slot work of the MLPs, the "
+              "4,096-id LM head and the loss, the same per token in every pass. The padded baseline holds nearly the same "
+              f"batches at both seq_lens (real tokens {real}) and took {base} of thread CPU: the load (other jobs on the 2 cores) moves these times by "
+              "several percent, as much as the margin to 1.5x, so read the two seq_lens together as ~1.45-1.6x, not as "
+              "a robust pass. flash-attention's own varlen kernel (CUDA) was not run.", ""]
     return lines
 
 

@@ -151,7 +151,7 @@ def train(cfg, force, pre, parallel, store) -> int:
         print(f"[train_clm] {cfg.model}: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} params"
               + (f" ({spec.describe()}: {trained:,} trained)" if spec.enabled else "") + ", "
               f"{len(train_rows):,} train / {len(val_rows)} eval rows, checkpointed layers {layers or 'none'}, "
-              f"AdamW {adamw_impl(optimizer)}"
+              f"AdamW {adamw_impl(optimizer)}" + (f", attention {cfg.attention}" if cfg.attention else "")
               + (f"; {', '.join(levers)}" if levers else ""))
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
