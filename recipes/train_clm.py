@@ -77,6 +77,11 @@ def check_parallel(cfg, pre):
                                f"{parallel.cp}: use an accelerate config with --sp (hfscale config zero3 --sp N), or load "
                                "the model with DistributedConfig(tp_plan=\"auto\") in your own script")
         require_model_fits(parallel, pre.model_config, cfg.model, seq_len=cfg.seq_len, window_sdpa=True)
+    if parallel.sp > 1 and cfg.attention == "varlen":
+        from hfscale.util.errors import HfscaleError
+
+        raise HfscaleError("attention: varlen does not run under Ulysses SP (it wraps sdpa or flash only); drop attention "
+                           "(the launch's sp_attn_implementation decides the kernel)")
     return parallel
 
 
@@ -118,6 +123,10 @@ def train(cfg, force, pre, parallel, store) -> int:
     # --- model: the base (NF4 for QLoRA), checkpointing and the levers on it, then the adapter (base frozen) ---
     spec = cfg.adapter_spec
     model = build_base(cfg, spec, pre, accelerator)
+    if cfg.attention:  # varlen: packed documents attend within themselves, no L x L mask (hfscale.models.varlen)
+        from hfscale.models.varlen import set_attention_
+
+        set_attention_(model, cfg.attention)
     loss_fn = lm_loss
     if parallel.sp > 1:  # Ulysses wraps the kernel the model runs: the same one, window-aware where it is sdpa
         from deepspeed.utils import groups
@@ -142,7 +151,7 @@ def train(cfg, force, pre, parallel, store) -> int:
         print(f"[train_clm] {cfg.model}: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} params"
               + (f" ({spec.describe()}: {trained:,} trained)" if spec.enabled else "") + ", "
               f"{len(train_rows):,} train / {len(val_rows)} eval rows, checkpointed layers {layers or 'none'}, "
-              f"AdamW {adamw_impl(optimizer)}"
+              f"AdamW {adamw_impl(optimizer)}" + (f", attention {cfg.attention}" if cfg.attention else "")
               + (f"; {', '.join(levers)}" if levers else ""))
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)

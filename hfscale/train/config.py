@@ -27,6 +27,9 @@ class TrainConfig:
     train_on: str | None = None  # all | completion | assistant | last; default: the format's
     packing: str | None = None  # bfd | wrapped | none; default: wrapped for text, bfd otherwise
     overflow: str | None = None  # truncate | drop | split; default: split for text, truncate otherwise
+    # the attention kernel: unset = the model's own (the tiny models: eager); varlen = hfscale.models.varlen (packed
+    # documents attend within themselves without an L x L mask, any device) | sdpa | eager | flash_attention_2 | _3
+    attention: str | None = None
     seq_len: int = 128
     global_batch_tokens: int = 8192  # tokens per optimizer step over all ranks
     micro_batch: int = 4  # sequences per rank per forward pass
@@ -99,6 +102,11 @@ class TrainConfig:
 
         if self.precision not in PRECISION_CHOICES:
             raise ConfigError(f"precision {self.precision!r} not understood; use one of {', '.join(PRECISION_CHOICES)}")
+        from ..models.varlen import ATTENTION
+
+        if self.attention is not None and self.attention not in ATTENTION:
+            raise ConfigError(f"attention {self.attention!r} not understood; use one of {', '.join(ATTENTION)} "
+                              "(or leave it unset for the model's own kernel)")
         self.levers.check(self.seq_len, self.checkpointing)
         self.adapter_spec  # noqa: B018 - validated here, with the rest
         self.data_options  # noqa: B018 - validated here, with the rest
