@@ -4,6 +4,8 @@
     spec = AdapterSpec("lora", rank=16, lora_plus_ratio=16)     # or AdapterSpec.from_mapping(yaml["adapter"])
     model = apply_adapter(model, spec)                          # a peft PeftModel; only the adapters train
     optimizer = torch.optim.AdamW(adapter_param_groups(model, spec, lr=2e-4))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    gather_dora_inputs_(accelerator.unwrap_model(model))        # DoRA under ZeRO-3 (else a no-op): resumes work
     ... train (plain loop, accelerate, Trainer) ...
     merged = merge_into_base(base_in_its_dtype, adapter_dir)   # never into a 4-bit base
 
@@ -201,13 +203,13 @@ def gather_dora_inputs_(model) -> int:
     load_checkpoint DeepSpeed has all-gathered the persistent parameters, nothing gets registered, the first
     (trace-recording) step releases lora_A after its own forward, and the recompute reads a 0-element partition:
     IndexError in get_lora_weight (measured: ZeRO-3 DoRA, checkpointing every:2, --resume on 1 rank). No-op elsewhere."""
-    from deepspeed.runtime.zero.partition_parameters import register_external_parameter  # only reached when a parameter has ds_id
-
     n = 0
     for module in model.modules():
         mags = getattr(module, "lora_magnitude_vector", None)
         if not mags or not any(hasattr(p, "ds_id") for p in module.parameters()):
             continue
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter  # ZeRO-3 only
+
         for name, mag in mags.items():
             for param in (module.lora_A[name].weight, module.lora_B[name].weight, module.get_base_layer().weight):
                 register_external_parameter(mag, param)
