@@ -925,14 +925,15 @@ def assert_adapter_only_states(ckpt: Path, trained: int, tensors: int) -> dict:
         frozen = {k: v for k, v in shapes.items() if "lora_" not in k}
         frozen_bytes = sum(torch.Size(sh).numel() * 4 for sh, dt in frozen.values())
         assert {dt for _, dt in frozen.values()} == {"F32"}
-        # exp_avg + exp_avg_sq: 8 B per trained element, + each tensor's step (fp32); the weights are the model's
-        assert opt == 8 * trained + 4 * tensors, opt
+        # exp_avg + exp_avg_sq: 8 B per trained element, + each tensor's step (a scalar); the weights are the model's
+        assert 0 <= opt - 8 * trained <= 8 * tensors, opt
     else:  # ZeRO-3: each rank's partition of every trained tensor (the adapter's are all of even size: no padding)
         files = sorted((ckpt / "pytorch_model").glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
         parts = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
         for key in ("exp_avg", "exp_avg_sq"):
             assert sum(p["optimizer_state_dict"]["state"][0][key].numel() for p in parts) == trained
         assert sum(t.numel() for p in parts for t in p["fp32_flat_groups"]) == trained
+        assert {t.dtype for p in parts for t in p["fp32_flat_groups"]} == {torch.float32}
         opt = sum(t.numel() * t.element_size() for p in parts for t in [*p["fp32_flat_groups"],
                   *p["optimizer_state_dict"]["state"][0].values()] if torch.is_tensor(t))
         models = [torch.load(f, map_location="cpu", weights_only=False)
@@ -940,8 +941,8 @@ def assert_adapter_only_states(ckpt: Path, trained: int, tensors: int) -> dict:
         assert sum(t.numel() for m in models for t in m["module"].values()) == 0  # partitioned: nothing in the module
         frozen_bytes = sum(t.numel() * t.element_size() for m in models for t in m["frozen_param_fragments"].values())
         assert sum(t.numel() for m in models for t in m["frozen_param_fragments"].values()) == 3_001_920
-        # fp32 master + exp_avg + exp_avg_sq: 12 B per trained element, + each rank's step (fp32)
-        assert opt == 12 * trained + 4 * len(files), opt
+        # fp32 master + exp_avg + exp_avg_sq: 12 B per trained element, + each rank's step (a scalar)
+        assert 0 <= opt - 12 * trained <= 8 * len(files), opt
     # the rest of each file is pickle and config (measured 68 KB under DDP); Adam sized for the base would add >= 24 MB
     overhead = sum(f.stat().st_size for f in files) - opt
     assert 0 <= overhead < 128 * 1024, overhead
