@@ -95,7 +95,7 @@ def train(cfg, force, pre, parallel, store) -> int:
     from hfscale.data.recipe import run_rows
     from hfscale.train.loop import evaluate, lm_loss, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
-    from hfscale.scale.adapters import adapter_param_groups, apply_adapter
+    from hfscale.scale.adapters import adapter_param_groups, apply_adapter, gather_dora_inputs_
     from hfscale.train.state import model_fingerprint, save_final, save_final_adapter
     from hfscale.data.sampler import data_parallel
 
@@ -143,6 +143,8 @@ def train(cfg, force, pre, parallel, store) -> int:
                                params=adapter_param_groups(model, spec, cfg.lr, cfg.weight_decay) if spec.enabled else None)
     with per_layer_heads(model):  # Ulysses on layers of different head shapes (Gemma 4); else nothing
         model, optimizer = accelerator.prepare(model, optimizer)
+    if spec.dora:  # ZeRO-3: DoRA reads lora_A / the base weight outside their forward (a resume's recompute crashed)
+        gather_dora_inputs_(accelerator.unwrap_model(model))
     if parallel.sp > 1:
         loss_fn = sp_lm_loss(groups._get_sequence_parallel_group(), tiled=bool(cfg.tiled_loss))
     loss_fn = with_levers(loss_fn, cfg.levers, model)  # activation offload around the forward

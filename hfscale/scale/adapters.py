@@ -4,6 +4,8 @@
     spec = AdapterSpec("lora", rank=16, lora_plus_ratio=16)     # or AdapterSpec.from_mapping(yaml["adapter"])
     model = apply_adapter(model, spec)                          # a peft PeftModel; only the adapters train
     optimizer = torch.optim.AdamW(adapter_param_groups(model, spec, lr=2e-4))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    gather_dora_inputs_(accelerator.unwrap_model(model))        # DoRA under ZeRO-3 (else a no-op): resumes work
     ... train (plain loop, accelerate, Trainer) ...
     merged = merge_into_base(base_in_its_dtype, adapter_dir)   # never into a 4-bit base
 
@@ -255,6 +257,30 @@ def apply_adapter(model, spec: AdapterSpec):
                           "conversion); set adapter targets to the attention linears (q_proj,k_proj,v_proj,o_proj) and "
                           "experts: true for the expert tensors")
     return model
+
+
+def gather_dora_inputs_(model) -> int:
+    """Under ZeRO-3 (parameters carry DeepSpeed's `ds_id`): registers, on every DoRA magnitude module, the weights its
+    forward reads from other modules (lora_A, lora_B, the base layer's) as DeepSpeed external parameters, so its
+    pre-forward hook gathers them; returns how many modules. Why: peft's DoraLinearLayer reads `lora_A.weight.shape`
+    (and the base weight) outside those modules' own forward. DeepSpeed gathers such a read only inside the engine's
+    forward (ZeROOrderedDict's `_in_forward`), not in the recompute of a checkpointed layer during backward. A fresh
+    run works by accident: the first forward meets the un-gathered persistent lora_A and registers it then; after
+    load_checkpoint DeepSpeed has all-gathered the persistent parameters, nothing gets registered, the first
+    (trace-recording) step releases lora_A after its own forward, and the recompute reads a 0-element partition:
+    IndexError in get_lora_weight (measured: ZeRO-3 DoRA, checkpointing every:2, --resume on 1 rank). No-op elsewhere."""
+    n = 0
+    for module in model.modules():
+        mags = getattr(module, "lora_magnitude_vector", None)
+        if not mags or not any(hasattr(p, "ds_id") for p in module.parameters()):
+            continue
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter  # ZeRO-3 only
+
+        for name, mag in mags.items():
+            for param in (module.lora_A[name].weight, module.lora_B[name].weight, module.get_base_layer().weight):
+                register_external_parameter(mag, param)
+            n += 1
+    return n
 
 
 def adapter_param_groups(model, spec: AdapterSpec, lr: float, weight_decay: float = 0.0) -> list[dict]:
