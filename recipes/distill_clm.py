@@ -53,9 +53,9 @@ def main(argv=None) -> int:
         pre = preflight(cfg, force, source=config_path)
         store = prepare_data(pre, rank, "distill_clm")
     except HfscaleError as e:
-        if rank == 0:
-            print(f"distill_clm: error: {e}", file=sys.stderr)
-        return getattr(e, "status", 2)  # 74: the disk filled while the token store was written
+        from hfscale.train.loop import setup_failed
+
+        return setup_failed(e, "distill_clm", rank)  # one line from rank 0; the other ranks do not leave first
     from hfscale.train.loop import stopped
 
     try:

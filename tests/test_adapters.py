@@ -138,6 +138,10 @@ def test_recipe_adapter_settings(tmp_path):
     spec = load_recipe(str(y)).adapter_spec
     assert (spec.kind, spec.rank, spec.alpha, spec.targets, spec.lora_plus_ratio) == ("dora", 4, 4.0, ("q_proj", "v_proj"), 16)
     assert load_recipe(None, {"adapter": "qlora", "lora_rank": "8"}).adapter_spec.base_bits == 4
+    y.write_text("adapter: {kind: lora, experts: true}\n")  # MoE expert tensors: the recipe's `experts` reaches the spec
+    assert load_recipe(str(y)).adapter_spec.experts and load_recipe(None, {"adapter": "lora", "lora_experts": "true"}).adapter_spec.experts
+    with pytest.raises(ConfigError, match="adapter experts .* cannot run with DoRA"):
+        load_recipe(None, {"adapter": "dora", "lora_experts": "true"})
     assert not load_recipe(None, {}).adapter_spec.enabled
     for values, needle in [({"lora_rank": "8"}, "--lora-rank set without an adapter; add --adapter lora"),
                            ({"adapter": "qlora", "lora_init": "pissa"}, "init default with qlora")]:

@@ -11,7 +11,7 @@ from ..util.errors import ConfigError, HfscaleError, first_line
 
 
 LORA_DEFAULTS = {"lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0, "lora_targets": None, "lora_rslora": False,
-                 "lora_plus_ratio": 1.0, "lora_init": "default"}
+                 "lora_plus_ratio": 1.0, "lora_init": "default", "lora_experts": False}
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class TrainConfig:
     lora_rslora: bool = False
     lora_plus_ratio: float = 1.0
     lora_init: str = "default"  # default | gaussian | pissa | olora
+    lora_experts: bool = False  # also the MoE experts' fused 3-D tensors (peft target_parameters; Qwen3-MoE, Gemma 4 MoE)
     extra: dict = field(default_factory=dict, compare=False)  # recipe YAML notes (ignored)
 
     def __post_init__(self):
@@ -132,7 +133,8 @@ class TrainConfig:
                                   "drop them to train every parameter")
             return AdapterSpec()
         return AdapterSpec(self.adapter, 16 if self.lora_rank is None else self.lora_rank, self.lora_alpha, self.lora_dropout, targets,
-                           rslora=self.lora_rslora, lora_plus_ratio=self.lora_plus_ratio, init=self.lora_init)
+                           rslora=self.lora_rslora, lora_plus_ratio=self.lora_plus_ratio, init=self.lora_init,
+                           experts=self.lora_experts)
 
     @property
     def levers(self):
@@ -262,7 +264,8 @@ def data_section(section, path) -> dict:
 
 # the YAML's adapter: keys -> the flat settings (--lora-rank ... on the command line)
 ADAPTER_KEYS = {"kind": "adapter", "rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
-                "targets": "lora_targets", "rslora": "lora_rslora", "lora_plus_ratio": "lora_plus_ratio", "init": "lora_init"}
+                "targets": "lora_targets", "rslora": "lora_rslora", "lora_plus_ratio": "lora_plus_ratio", "init": "lora_init",
+                "experts": "lora_experts"}
 
 
 def adapter_section(section: dict, path) -> dict:

@@ -270,6 +270,22 @@ def resume_from(accelerator, resume, tag: str) -> int:
     return resume.step
 
 
+def setup_failed(e: BaseException, tag: str, rank: int, wait_s: float = 60.0) -> int:
+    """The exit status of a run refused before training (bad settings or data: HfscaleError), after its one line.
+    Rank 0 says it. The other ranks met the same check (same settings, same data, and prepare hands a rank's failure
+    to the others) but must not leave first: torchrun SIGTERMs the rest as soon as one rank exits, and rank 0 then
+    died before its line (seen: a 2-rank launch on a chat file whose tokenizer has no chat template ended with no
+    message at all). So they wait up to `wait_s` for that SIGTERM, sent once rank 0 has printed and left, and only
+    then say it themselves (an error rank 0 did not meet)."""
+    import sys
+    import time
+
+    if rank != 0:
+        time.sleep(wait_s)
+    print(f"{tag}: error: {e}", file=sys.stderr, flush=True)
+    return getattr(e, "status", 2)  # 74: the disk filled while the token store was written
+
+
 def stopped(e: BaseException, tag: str, rank: int) -> int:
     """The exit status of a run that ended early on every rank together: preempted (a checkpoint was saved;
     EXIT_PREEMPTED), a failed save (EXIT_SAVE_FAILED) or another user error (2), after one line from rank 0
