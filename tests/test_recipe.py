@@ -746,6 +746,18 @@ def small_mount(tmp_path):
 
 
 @pytest.mark.engine
+def test_bad_input_under_a_launch_is_one_line_and_writes_nothing(tmp_path):
+    """Refused before training on 2 ranks: the line reaches the log. Rank 1 used to return first, torchrun then
+    SIGTERMed rank 0 before it printed, and the launch ended with no message (hfscale.train.loop.setup_failed)."""
+    out = tmp_path / "run"
+    rc, log = launch("ddp.yaml", out, "--model", str(tmp_path / "no_such_model"), check=False)
+    lines = [ln for ln in log.splitlines() if ln.startswith("train_clm: error:")]
+    assert rc != 0 and len(lines) == 1 and "no_such_model" in lines[0], log[-3000:]
+    # the launcher's own ChildFailedError report follows; no frame of the recipe or of hfscale is in the log
+    assert not re.search(r'File ".*(hfscale|recipes)/', log) and not out.exists(), log[-3000:]
+
+
+@pytest.mark.engine
 def test_save_on_a_full_disk_fails_cleanly_on_every_rank(tmp_path, small_mount):
     out = small_mount / "run"
     rc, log = launch("ddp.yaml", out, "--max-steps", "3", "--save-every", "1", "--keep-last", "2",
