@@ -137,23 +137,28 @@ def test_a_model_argument_is_named_for_what_it_is(args, needle, misnamed):
     assert before == ["empty_dir", "m.gguf"] and _files(d) == before
 
 
-def test_weight_only_ptq_needs_no_tokenizer(tiny_dir, tmp_path, cli):
+def test_weight_only_ptq_needs_no_tokenizer(tiny_dir, tmp_path):
     src = tmp_path / "no_tokenizer"
     src.mkdir()
     for f in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(tiny_dir / f, src / f)
-    out = tmp_path / "q"
-    r = cli("quantize", src, "--scheme", "int8wo", "--out", out)
+    from conftest import run_cli_concurrently
+
+    out, out2 = tmp_path / "q", tmp_path / "q2"
+    # three independent real runs at once (each reads only src or tiny_dir and writes its own --out)
+    r, r2, gptq = run_cli_concurrently(
+        ("quantize", src, "--scheme", "int8wo", "--out", out),
+        ("quantize", tiny_dir, "--scheme", "int8wo", "--out", out2),
+        ("quantize", src, "--scheme", "gptq-int4wo", "--calibration", "builtin", "--out", tmp_path / "g"))
     assert r.returncode == 0, r.stderr
     assert "tensors bit-identical to the in-memory model" in r.stdout, r.stdout
     # weight-only: no activation rounding to flip, so only float32's last bits can move (see test_quantize_cmd)
     assert float(re.search(r"vs the in-memory model ([0-9.e+-]+)", r.stdout).group(1)) < 1e-5, r.stdout
     assert not any(p.name.startswith("tokenizer") for p in out.iterdir())  # none to copy
     # with a tokenizer beside the weights it is copied
-    out2 = tmp_path / "q2"
-    assert cli("quantize", tiny_dir, "--scheme", "int8wo", "--out", out2).returncode == 0
+    assert r2.returncode == 0, r2.stderr
     assert (out2 / "tokenizer.json").is_file()
     # calibration data is tokenized: then the missing files are named, and nothing is written
-    line = _one_line(cli("quantize", src, "--scheme", "gptq-int4wo", "--calibration", "builtin", "--out", tmp_path / "g"))
+    line = _one_line(gptq)
     assert "no_tokenizer has no tokenizer (none of tokenizer.json, tokenizer.model, tokenizer_config.json)" in line
     assert not (tmp_path / "g").exists()
