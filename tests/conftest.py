@@ -22,6 +22,39 @@ def run_cli(*args, cwd=None, timeout=600, env=None):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
+def run_cli_concurrently(*calls, cwd=None, timeout=600, env=None, at_once=4):
+    """Several independent `hfscale` CLI runs, each a real process as run_cli starts it, up to `at_once` of them at a
+    time so their imports (2-3 s each) overlap on the suite's 2 cores; returns their CompletedProcess in the order
+    given. A call is an argument sequence, or a dict {"args": ..., "cwd": ...} for a run in a directory of its own;
+    use it only for runs that read nothing another of them writes."""
+    import time
+
+    exe = shutil.which("hfscale", path=str(Path(sys.executable).parent)) or "hfscale"
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    jobs = [(c["args"], c.get("cwd", cwd)) if isinstance(c, dict) else (c, cwd) for c in calls]
+    procs, out, deadline = [], [], time.monotonic() + timeout
+
+    def start(k):
+        args, where = jobs[k]
+        procs.append(subprocess.Popen([exe, *map(str, args)], cwd=where, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=full_env))
+
+    try:
+        for k in range(min(at_once, len(jobs))):
+            start(k)
+        for k in range(len(jobs)):  # a process blocked on a full pipe waits for its turn to be read: no deadlock
+            stdout, stderr = procs[k].communicate(timeout=max(deadline - time.monotonic(), 1))
+            out.append(subprocess.CompletedProcess(procs[k].args, procs[k].returncode, stdout, stderr))
+            if len(procs) < len(jobs):
+                start(len(procs))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
 def snapshot(root: Path) -> dict[str, str]:
     """Every entry under root (hidden ones too, symlinks not followed) -> sha256 of a file, 'dir', or a
     link's target: compare two snapshots to see what a command created, changed or removed."""

@@ -29,7 +29,7 @@ def _files(d):
 PLAN = ["plan", "--model", "tiny-gemma3", "--seq-len", "128", "--micro-batch", "1"]
 
 
-@pytest.mark.parametrize("args, needle", [
+REFUSALS = [
     # non-finite numbers never reach a DeepSpeed JSON (json.dumps would write NaN / Infinity)
     (["config", "zero2", "--clip", "nan"], "finite"),
     (["config", "zero2", "--clip", "inf"], "finite"),
@@ -51,23 +51,50 @@ PLAN = ["plan", "--model", "tiny-gemma3", "--seq-len", "128", "--micro-batch", "
     # sizes that are numbers but not finite
     (PLAN + ["--gpus-per-node", "8", "--gpu-mem", "nanGB"], "cannot read size 'nanGB'"),
     (PLAN + ["--gpus-per-node", "8", "--gpu-mem", "infGB"], "cannot read size 'infGB'"),
-])
-def test_refused_in_one_line_and_nothing_written(args, needle, tmp_path, cli):
-    (tmp_path / "spec.yaml").write_text("name: s\ngradient_clipping: .nan\n")
-    out = tmp_path / "out"
-    args = [a.format(spec_nan=tmp_path / "spec.yaml", out=out) for a in args]
-    extra = ["--out-accelerate", out, "--out-deepspeed", out] if args[0] == "config" else []
-    line = _one_line(cli(*args, *extra, cwd=tmp_path))
+]
+
+
+def run_each_in_its_own_dir(tmp_path_factory, cases, prepare, argv):
+    """Every case's real CLI run, each in a fresh directory of its own that prepare(dir) lays out, several at once
+    (their imports overlap on the suite's 2 cores; none reads what another writes): a list of (dir, files in it
+    before the run, CompletedProcess), in the cases' order."""
+    from conftest import run_cli_concurrently
+
+    dirs = [tmp_path_factory.mktemp("case") for _ in cases]
+    before = []
+    for d in dirs:
+        prepare(d)
+        before.append(_files(d))
+    runs = run_cli_concurrently(*[{"args": argv(args, d), "cwd": d} for (args, _), d in zip(cases, dirs)])
+    return list(zip(dirs, before, runs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    def argv(args, d):
+        args = [a.format(spec_nan=d / "spec.yaml", out=d / "out") for a in args]
+        return [*args, *(["--out-accelerate", d / "out", "--out-deepspeed", d / "out"] if args[0] == "config" else [])]
+
+    return run_each_in_its_own_dir(tmp_path_factory, REFUSALS,
+                                   lambda d: (d / "spec.yaml").write_text("name: s\ngradient_clipping: .nan\n"), argv)
+
+
+@pytest.mark.parametrize("args, needle", REFUSALS)
+def test_refused_in_one_line_and_nothing_written(args, needle, refusals):
+    d, before, r = refusals[REFUSALS.index((args, needle))]
+    line = _one_line(r)
     assert needle in line, line
-    assert _files(tmp_path) == ["spec.yaml"]
+    assert before == _files(d) == ["spec.yaml"]
 
 
-def test_what_was_refused_still_works_when_consistent(tmp_path, cli):
-    r = cli(*PLAN, "--gpus-per-node", "2", "--nodes", "1", "--gpu-mem", "1GB", "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["strategy"].endswith("mb1")
-    r = cli("config", "ddp", "--engine", "deepspeed", "--print")  # ddp has no ZeRO settings to drop
-    assert r.returncode == 0 and '"stage": 2' in r.stdout
+def test_what_was_refused_still_works_when_consistent(tmp_path):
+    from conftest import run_cli_concurrently
+
+    plan, r = run_cli_concurrently((*PLAN, "--gpus-per-node", "2", "--nodes", "1", "--gpu-mem", "1GB", "--json"),
+                                   ("config", "ddp", "--engine", "deepspeed", "--print"))  # two real runs at once
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["strategy"].endswith("mb1")
+    assert r.returncode == 0 and '"stage": 2' in r.stdout  # ddp has no ZeRO settings to drop
 
 
 # --- misleading messages ---------------------------------------------------------------------------
@@ -82,7 +109,7 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("args, needle", [
+MISNAMED = [
     (["quantize", "runs/tiny/model", "--scheme", "int8wo", "--out", "q"], "not found: no such directory runs/tiny/model"),
     (["quantize", "./nope", "--scheme", "int8wo", "--out", "q"], "not found: no such directory ./nope"),
     (["eval", "runs/nope"], "not found: no such directory runs/nope"),
@@ -90,33 +117,48 @@ def tiny_dir(tmp_path_factory):
     (["eval", "m.gguf"], "m.gguf is a GGUF file (llama.cpp): hfscale eval scores transformers directories"),
     (["quantize", "m.gguf", "--scheme", "int8wo", "--out", "q"], "m.gguf is a file, not a model"),
     (["quantize", "empty_dir", "--scheme", "int8wo", "--out", "q"], "no config.json in it"),
-])
-def test_a_model_argument_is_named_for_what_it_is(args, needle, tmp_path, cli):
-    (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    (tmp_path / "empty_dir").mkdir()
-    before = _files(tmp_path)
-    line = _one_line(cli(*args, cwd=tmp_path))
+]
+
+
+@pytest.fixture(scope="module")
+def misnamed(tmp_path_factory):
+    def prepare(d):
+        (d / "m.gguf").write_bytes(b"GGUF")
+        (d / "empty_dir").mkdir()
+
+    return run_each_in_its_own_dir(tmp_path_factory, MISNAMED, prepare, lambda args, d: args)
+
+
+@pytest.mark.parametrize("args, needle", MISNAMED)
+def test_a_model_argument_is_named_for_what_it_is(args, needle, misnamed):
+    d, before, r = misnamed[MISNAMED.index((args, needle))]
+    line = _one_line(r)
     assert needle in line and "Repo id" not in line and "invalid JSON" not in line, line
-    assert _files(tmp_path) == before
+    assert before == ["empty_dir", "m.gguf"] and _files(d) == before
 
 
-def test_weight_only_ptq_needs_no_tokenizer(tiny_dir, tmp_path, cli):
+def test_weight_only_ptq_needs_no_tokenizer(tiny_dir, tmp_path):
     src = tmp_path / "no_tokenizer"
     src.mkdir()
     for f in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(tiny_dir / f, src / f)
-    out = tmp_path / "q"
-    r = cli("quantize", src, "--scheme", "int8wo", "--out", out)
+    from conftest import run_cli_concurrently
+
+    out, out2 = tmp_path / "q", tmp_path / "q2"
+    # three independent real runs at once (each reads only src or tiny_dir and writes its own --out)
+    r, r2, gptq = run_cli_concurrently(
+        ("quantize", src, "--scheme", "int8wo", "--out", out),
+        ("quantize", tiny_dir, "--scheme", "int8wo", "--out", out2),
+        ("quantize", src, "--scheme", "gptq-int4wo", "--calibration", "builtin", "--out", tmp_path / "g"))
     assert r.returncode == 0, r.stderr
     assert "tensors bit-identical to the in-memory model" in r.stdout, r.stdout
     # weight-only: no activation rounding to flip, so only float32's last bits can move (see test_quantize_cmd)
     assert float(re.search(r"vs the in-memory model ([0-9.e+-]+)", r.stdout).group(1)) < 1e-5, r.stdout
     assert not any(p.name.startswith("tokenizer") for p in out.iterdir())  # none to copy
     # with a tokenizer beside the weights it is copied
-    out2 = tmp_path / "q2"
-    assert cli("quantize", tiny_dir, "--scheme", "int8wo", "--out", out2).returncode == 0
+    assert r2.returncode == 0, r2.stderr
     assert (out2 / "tokenizer.json").is_file()
     # calibration data is tokenized: then the missing files are named, and nothing is written
-    line = _one_line(cli("quantize", src, "--scheme", "gptq-int4wo", "--calibration", "builtin", "--out", tmp_path / "g"))
+    line = _one_line(gptq)
     assert "no_tokenizer has no tokenizer (none of tokenizer.json, tokenizer.model, tokenizer_config.json)" in line
     assert not (tmp_path / "g").exists()

@@ -14,7 +14,7 @@ from hfscale.experts import ExpertCache, from_pretrained, offload_
 from hfscale.testing.aligned import load_owned
 from hfscale.testing.tiny_moe import build_tiny_moe, tiny_moe_config
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_concurrently
 
 # 16 experts x (gate_up 128x128 + down 128x64) fp32 = 16 x 98,304 B per layer, top-4
 EXPERT_BYTES = (2 * 64 * 128 + 128 * 64) * 4
@@ -286,13 +286,14 @@ def test_offload_in_memory_model_frees_experts_and_matches(g4):
 
 
 def test_cli_scores_and_generates(g4, tmp_path):
-    r = run_cli("experts", g4, "--ram-budget", "1MB", "--blocks", "2", "--seq-len", "32", "--json", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    score, r = run_cli_concurrently(  # two independent real runs at once, one per core
+        ("experts", g4, "--ram-budget", "1MB", "--blocks", "2", "--seq-len", "32", "--json"),
+        ("experts", g4, "--ram-budget", "1MB", "--prompt", "The history of", "--max-new-tokens", "4", "--prefetch"),
+        cwd=tmp_path)
+    assert score.returncode == 0, score.stderr
+    out = json.loads(score.stdout)
     assert out["tokens"] == 64 and out["perplexity"] > 1
     assert out["cache"]["peak_bytes"] <= 10**6 and out["cache"]["cache_experts"] == 10**6 // EXPERT_BYTES
-    r = run_cli("experts", g4, "--ram-budget", "1MB", "--prompt", "The history of", "--max-new-tokens", "4",
-                "--prefetch", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "tok/s" in r.stdout and "read-ahead used" in r.stdout
     assert os.listdir(tmp_path) == []  # nothing written
@@ -307,8 +308,8 @@ def test_cli_bad_input_one_line(g4, tmp_path):
              ((g4, "--ram-budget", "300KB".replace("KB", "000B")), "smaller than one layer's routed experts"),
              ((tmp_path / "nope", "--ram-budget", "1GB"), "not found"),
              ((g4, "--ram-budget", "1MB", "--read-timeout", "0"), "--read-timeout must be a positive number")]
-    for args, message in cases:
-        r = run_cli("experts", *args, "--prompt", "x", cwd=tmp_path)
+    runs = run_cli_concurrently(*[("experts", *args, "--prompt", "x") for args, _ in cases], cwd=tmp_path)
+    for (args, message), r in zip(cases, runs, strict=True):  # five real CLI runs at once: the imports overlap
         assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
         assert "Traceback" not in r.stderr
     assert sorted(os.listdir(tmp_path)) == ["dense"]

@@ -83,32 +83,52 @@ def test_wheel_installs_core_only_beside_torch(core, tmp_path):
     _ok(_run([py, "-m", "pip", "check"], tmp_path))
 
 
+def _run_together(cmds, cwd, timeout=900):
+    """Independent commands as _run runs each, started at once (their imports overlap on the 2 cores)."""
+    procs = [subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env()) for cmd in cmds]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_core_verbs_run(core, tmp_path):
     exe = core["hfscale"]
-    r = _ok(_run([exe, "config", "zero2", "--num-processes", "2", "--out-accelerate", "cfg", "--out-deepspeed", "cfg"], cwd=tmp_path))
-    assert (tmp_path / "cfg" / "zero2.yaml").is_file() and (tmp_path / "cfg" / "zero2.json").is_file()
-    r = _ok(_run([exe, "plan", "--model", "gemma-3-270m", "--seq-len", "1024", "--micro-batch", "1",
-                  "--gpus-per-node", "8", "--gpu-mem", "80GB"], cwd=tmp_path))
-    assert "pick:" in r.stdout
-    # doctor reads the DeepSpeed JSON without DeepSpeed; the ZeRO-key typo check says what it needs
-    r = _ok(_run([exe, "doctor", "--accelerate", "cfg/zero2.yaml", "--model", "tiny-gemma3"], cwd=tmp_path))
-    assert "0 error(s)" in r.stdout and line("checking them against DeepSpeed's schema", "deepspeed") in r.stdout
     bad = tmp_path / "bad.json"
     bad.write_text('{"train_micro_batch_size_per_gpu": "8", "gradient_accumulation_stepz": 1}')
-    r = _run([exe, "doctor", "--deepspeed", bad], tmp_path)
-    assert r.returncode == 1 and "gradient_accumulation_steps" in r.stdout, r.stdout
-    _ok(_run([exe, "tiny", "--out", "tiny_model"], cwd=tmp_path))
     # import hfscale in a Trainer script: the DDP pieces need no extra
     code = ("import hfscale; from transformers import TrainingArguments; "
             "a = TrainingArguments('o', **hfscale.training_arguments_kwargs(hfscale.preset('ddp'))); "
             "acc = hfscale.make_accelerator(); print(acc.num_processes, a.max_grad_norm)")
-    assert _ok(_run([core["py"], "-c", code], cwd=tmp_path)).stdout.split()[-2:] == ["1", "1.0"]
+    # first the five that read nothing another writes, at once; then the two that read what config and tiny wrote
+    config, plan, typo, tiny, script = _run_together([
+        [exe, "config", "zero2", "--num-processes", "2", "--out-accelerate", "cfg", "--out-deepspeed", "cfg"],
+        [exe, "plan", "--model", "gemma-3-270m", "--seq-len", "1024", "--micro-batch", "1", "--gpus-per-node", "8",
+         "--gpu-mem", "80GB"],
+        [exe, "doctor", "--deepspeed", bad],
+        [exe, "tiny", "--out", "tiny_model"],
+        [core["py"], "-c", code]], tmp_path)
+    _ok(config)
+    assert (tmp_path / "cfg" / "zero2.yaml").is_file() and (tmp_path / "cfg" / "zero2.json").is_file()
+    assert "pick:" in _ok(plan).stdout
+    # doctor reads the DeepSpeed JSON without DeepSpeed; the ZeRO-key typo check says what it needs
+    assert typo.returncode == 1 and "gradient_accumulation_steps" in typo.stdout, typo.stdout
+    _ok(tiny)
+    assert _ok(script).stdout.split()[-2:] == ["1", "1.0"]
     # the recipe, one process (what a DDP rank runs), a handful of tokens
-    r = _ok(_run([core["py"], ROOT / "recipes" / "train_clm.py", "--config", ROOT / "recipes" / "tiny" / "train.yaml",
-                  "--model", "tiny_model", "--max-steps", "1", "--seq-len", "32", "--micro-batch", "2",
-                  "--global-batch-tokens", "64", "--eval-every", "0", "--save-every", "0", "--eval-blocks", "2",
-                  "--output-dir", "run", "--progress", "false", "--precision", "fp32"], cwd=tmp_path))
-    assert "step 1/1" in r.stdout and (tmp_path / "run" / "model" / "model.safetensors").is_file()
+    r, doctor = _run_together([
+        [core["py"], ROOT / "recipes" / "train_clm.py", "--config", ROOT / "recipes" / "tiny" / "train.yaml",
+         "--model", "tiny_model", "--max-steps", "1", "--seq-len", "32", "--micro-batch", "2",
+         "--global-batch-tokens", "64", "--eval-every", "0", "--save-every", "0", "--eval-blocks", "2",
+         "--output-dir", "run", "--progress", "false", "--precision", "fp32"],
+        [exe, "doctor", "--accelerate", "cfg/zero2.yaml", "--model", "tiny-gemma3"]], tmp_path)
+    assert "step 1/1" in _ok(r).stdout and (tmp_path / "run" / "model" / "model.safetensors").is_file()
+    assert "0 error(s)" in _ok(doctor).stdout and line("checking them against DeepSpeed's schema", "deepspeed") in doctor.stdout
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_cli_concurrently
 
 SMALL = ["--steps", "3", "--micro-batch", "2", "--seq-len", "64"]
 
@@ -93,18 +93,20 @@ def test_plan_matches_ranks_of_real_engines(config, tmp_path, cli):
         assert p["master_weights"] == p["param_partition"] == 4 * 1_500_960
 
 
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, cli):
-    out = tmp_path / "p"
-    for args, word in ((["--steps", "0"], "--steps"), (["--checkpointing", "every:0"], "every"),
-                       (["--config", tmp_path / "missing.yaml"], "not found"), (["--model", tmp_path / "nope"], "not found")):
-        r = cli("profile", *args, "--out", out)
-        assert r.returncode == 2 and word in r.stderr, (args, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
-        assert not out.exists() and os.listdir(tmp_path) == []
-    out.mkdir()
-    (out / "keep").write_text("x")
-    r = cli("profile", "--out", out)
-    assert r.returncode == 2 and "--force" in r.stderr and (out / "keep").read_text() == "x"
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
+    out, kept = tmp_path / "p", tmp_path / "kept" / "p"
+    kept.mkdir(parents=True)
+    (kept / "keep").write_text("x")
+    cases = ((["--steps", "0"], "--steps"), (["--checkpointing", "every:0"], "every"),
+             (["--config", tmp_path / "missing.yaml"], "not found"), (["--model", tmp_path / "nope"], "not found"))
+    # the five real CLI runs at once (their imports overlap); none of them may write, so the checks after all five
+    # see what any one of them wrote
+    *runs, r = run_cli_concurrently(*[("profile", *args, "--out", out) for args, _ in cases], ("profile", "--out", kept))
+    for (args, word), bad in zip(cases, runs, strict=True):
+        assert bad.returncode == 2 and word in bad.stderr, (args, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    assert not out.exists() and os.listdir(tmp_path) == ["kept"]
+    assert r.returncode == 2 and "--force" in r.stderr and os.listdir(kept) == ["keep"] and (kept / "keep").read_text() == "x"
 
 
 @pytest.mark.engine

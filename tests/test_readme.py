@@ -3,8 +3,11 @@ says what / install / first command, and its quick-start block runs top to botto
 
 import os
 import re
+import shlex
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +111,29 @@ def foreign_lines(output: str, tags=("[train_clm]", "train:")) -> list[str]:
     return out
 
 
+OUT_FLAGS = ("--out", "--out-accelerate", "--out-deepspeed", "--output-dir")
+
+
+def needs(cmds: list[str]) -> list[set[int]]:
+    """For each command, the earlier commands it reads from: those that write (an --out / --output-dir value) a path
+    it names, or a path under one."""
+    writes = []
+    for cmd in cmds:
+        words = shlex.split(cmd, comments=True)
+        writes.append({words[k + 1] for k, w in enumerate(words[:-1]) if w in OUT_FLAGS})
+    out = []
+    for i, cmd in enumerate(cmds):
+        words = shlex.split(cmd, comments=True)
+        out.append({j for j in range(i) for w in words for p in writes[j]
+                    if w == p or w.startswith(p.rstrip("/") + "/")})
+    return out
+
+
+def test_needs_reads_what_the_block_writes():
+    cmds = ["make --out a", "read a/x --out b  # a/x", "read ab a", "read b c --out c", "again --out a"]
+    assert needs(cmds) == [set(), {0}, {0}, {1}, {0}]
+
+
 @pytest.mark.engine
 @pytest.mark.slow
 def test_quick_start_runs_top_to_bottom(tmp_path):
@@ -122,12 +148,33 @@ def test_quick_start_runs_top_to_bottom(tmp_path):
     assert cmds[0] == "source .venv/bin/activate" and len(cmds) == 8, cmds
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("HFSCALE_VERBOSE", None)
-    outs = {}
-    for cmd in cmds[1:]:
-        r = subprocess.run(["bash", "-euo", "pipefail", "-c", f"{cmds[0]}\n{cmd}"], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=1200, env=env)
-        assert r.returncode == 0, (cmd, r.stdout[-3000:], r.stderr[-3000:])
-        outs[cmd.split()[0] + " " + cmd.split()[1]] = r
+    after = needs(cmds[1:])
+    # the block's order, read from what each command writes and reads: plan and doctor beside the launch, the two
+    # quantizations side by side; any other dependency graph is a README change this test must be told about
+    assert after == [set(), {0}, set(), {0}, {3}, {3, 4}, {3}], after
+    procs, outs, t0 = {}, {}, time.monotonic()
+    try:
+        while len(outs) < len(after):  # start each command once the commands it reads from have passed
+            for i, cmd in enumerate(cmds[1:]):
+                if i not in procs and after[i] <= outs.keys():
+                    logs = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a pipe could fill up
+                    procs[i] = subprocess.Popen(["bash", "-euo", "pipefail", "-c", f"{cmds[0]}\n{cmd}"], cwd=tmp_path,
+                                                stdout=logs[0], stderr=logs[1], text=True, env=env), logs
+            finished = [i for i, (p, _) in procs.items() if i not in outs and p.poll() is not None]
+            for i in finished:
+                p, logs = procs[i]
+                out, err = [(f.seek(0), f.read(), f.close())[1] for f in logs]
+                outs[i] = subprocess.CompletedProcess(cmds[i + 1], p.returncode, out, err)
+                assert p.returncode == 0, (cmds[i + 1], out[-3000:], err[-3000:])
+            if not finished:
+                assert time.monotonic() - t0 < 1200, "the quick start still runs after 20 min"
+                time.sleep(0.2)
+    finally:
+        for p, _ in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = {cmds[i + 1].split()[0] + " " + cmds[i + 1].split()[1]: r for i, r in outs.items()}
     assert "pick:" in outs["hfscale plan"].stdout
     launch = outs["accelerate launch"]
     both = launch.stdout + launch.stderr
