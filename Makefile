@@ -11,6 +11,10 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.hfscale-installed
 
 export HF_HUB_OFFLINE ?= 1
+# The venv's tools first, for install and tests alike: DeepSpeed's JIT ops are built by the `ninja` first on PATH, and
+# Debian's ninja 1.11 and the venv's 1.13 (a torch dependency) keep incompatible build logs, so every switch between
+# them rebuilt cpu_adam / shm / async_io (measured: 190 s inside one suite; any test that puts the venv on PATH did it)
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install demo test test-fast test-avx2 configs clean

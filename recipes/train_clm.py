@@ -77,6 +77,10 @@ def check_parallel(cfg, pre):
                                f"{parallel.cp}: use an accelerate config with --sp (hfscale config zero3 --sp N), or load "
                                "the model with DistributedConfig(tp_plan=\"auto\") in your own script")
         require_model_fits(parallel, pre.model_config, cfg.model, seq_len=cfg.seq_len, window_sdpa=True)
+    if cfg.attention:  # before anything is written: a kernel this model or host cannot run is one line
+        from hfscale.models.varlen import check_attention
+
+        check_attention(cfg.attention, pre.model_config)
     if parallel.sp > 1 and cfg.attention == "varlen":
         from hfscale.util.errors import HfscaleError
 

@@ -37,7 +37,7 @@ def run_cli_concurrently(*calls, cwd=None, timeout=600, env=None, at_once=4):
     def start(k):
         args, where = jobs[k]
         procs.append(subprocess.Popen([exe, *map(str, args)], cwd=where, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=full_env))
+                                      stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True))
 
     try:
         for k in range(min(at_once, len(jobs))):
@@ -49,10 +49,21 @@ def run_cli_concurrently(*calls, cwd=None, timeout=600, env=None, at_once=4):
                 start(len(procs))
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            kill_tree(p)
     return out
+
+
+def kill_tree(p) -> None:
+    """A process started with start_new_session=True, and everything it started (a launch's ranks), killed and
+    reaped if it still runs: a failed test leaves nothing on the host's 2 cores."""
+    import signal
+
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 def snapshot(root: Path) -> dict[str, str]:

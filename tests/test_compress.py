@@ -86,10 +86,13 @@ def test_ptq_dir_reloads_to_the_same_logits(trained, tmp_path, scheme, group):
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     ref = logits(build_model(trained, dtype=torch.float32).eval())
     got = logits(back)
-    if SCHEMES[scheme].library == "torchao":
-        assert rec["reload_max_abs_dlogit"] == 0.0  # the saved int data and scales are the in-memory ones
-    else:
-        assert rec["reload_max_abs_dlogit"] < 0.05  # bitsandbytes picks a different CPU kernel after reload
+    assert rec["reload_tensors_differing"] == 0  # the saved int data, scales and metadata are the in-memory ones
+    # the logits: weight-only torchao runs the same float GEMM on the same values (alignment can move float32's last
+    # bits only); dynamic int8 activations (int8dq, 8da4w) can flip one rounding on that (5.8e-3 seen on a CI host),
+    # and bitsandbytes picks another CPU kernel after reload (nf4: 1.7e-2 here); a wrong reload moves them by 2.5-20
+    dynamic = "dynamic" in SCHEMES[scheme].activations
+    bound = 1e-5 if SCHEMES[scheme].library == "torchao" and not dynamic else 0.05
+    assert rec["reload_max_abs_dlogit"] < bound, rec
     # the weights really are quantized and smaller, and still a close model
     bits = SCHEMES[scheme].weight_bits
     assert rec["bytes"] < (0.5 if bits == 8 else 0.4 if scheme == "nf4" else 0.5) * rec["source_bytes"]

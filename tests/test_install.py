@@ -85,16 +85,16 @@ def test_wheel_installs_core_only_beside_torch(core, tmp_path):
 
 def _run_together(cmds, cwd, timeout=900):
     """Independent commands as _run runs each, started at once (their imports overlap on the 2 cores)."""
+    from conftest import kill_tree
+
     procs = [subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env()) for cmd in cmds]
+                              env=_env(), start_new_session=True) for cmd in cmds]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
         return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            kill_tree(p)
 
 
 def test_core_verbs_run(core, tmp_path):

@@ -159,7 +159,8 @@ def test_quick_start_runs_top_to_bottom(tmp_path):
                 if i not in procs and after[i] <= outs.keys():
                     logs = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a pipe could fill up
                     procs[i] = subprocess.Popen(["bash", "-euo", "pipefail", "-c", f"{cmds[0]}\n{cmd}"], cwd=tmp_path,
-                                                stdout=logs[0], stderr=logs[1], text=True, env=env), logs
+                                                stdout=logs[0], stderr=logs[1], text=True, env=env,
+                                                start_new_session=True), logs
             finished = [i for i, (p, _) in procs.items() if i not in outs and p.poll() is not None]
             for i in finished:
                 p, logs = procs[i]
@@ -170,10 +171,10 @@ def test_quick_start_runs_top_to_bottom(tmp_path):
                 assert time.monotonic() - t0 < 1200, "the quick start still runs after 20 min"
                 time.sleep(0.2)
     finally:
+        from conftest import kill_tree
+
         for p, _ in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            kill_tree(p)  # bash and the launch under it
     outs = {cmds[i + 1].split()[0] + " " + cmds[i + 1].split()[1]: r for i, r in outs.items()}
     assert "pick:" in outs["hfscale plan"].stdout
     launch = outs["accelerate launch"]

@@ -215,3 +215,29 @@ def test_recipe_setting():
     assert TrainConfig(attention="varlen").attention == "varlen" and TrainConfig().attention is None
     with pytest.raises(ConfigError, match="use one of varlen, sdpa"):
         TrainConfig(attention="flash")
+
+
+def test_attention_choices_a_model_or_host_cannot_run_are_refused_before_training():
+    """One line each, before anything is written (train_clm checks them with its parallel settings); qat_clm and
+    distill_clm, which do not apply `attention:`, refuse it instead of ignoring it."""
+    from transformers import Gemma3Config, Gemma3TextConfig, Llama4TextConfig
+
+    from hfscale.models.varlen import check_attention
+    from hfscale.train.config import QATRecipeConfig
+    from hfscale.train.distill import DistillRecipeConfig
+    from hfscale.util.errors import ConfigError
+
+    check_attention("varlen", Gemma3TextConfig())  # a causal text model: fine
+    for attention, config, needle in [
+        ("varlen", Gemma3Config(), "causal text models; Gemma3Config has image tokens"),
+        ("varlen", Llama4TextConfig(attention_chunk_size=8192), "chunked attention"),
+        ("flash_attention_2", Gemma3TextConfig(), "needs a CUDA GPU and the flash_attn package"),
+    ]:
+        if attention.startswith("flash") and torch.cuda.is_available():
+            continue  # a GPU host may have flash-attn: nothing to refuse there
+        with pytest.raises(ConfigError, match=needle):
+            check_attention(attention, config)
+    with pytest.raises(ConfigError, match="qat_clm runs the model's own attention kernel"):
+        QATRecipeConfig(attention="varlen")
+    with pytest.raises(ConfigError, match="distill_clm runs the models' own attention kernel"):
+        DistillRecipeConfig(teacher="t", attention="varlen")

@@ -206,9 +206,17 @@ def quantize_and_save(src: str, spec, out, force: bool, calibration, verify: boo
         ids = torch.arange(64).remainder(model.config.vocab_size - 3).add(3).unsqueeze(0)
         reloaded = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True)
         record["reload_tensors_differing"] = differing_tensors(model, reloaded)
+        if record["reload_tensors_differing"]:  # never leave a directory that is not the model it claims to be
+            import shutil
+
+            from ..util.errors import HfscaleError
+
+            shutil.rmtree(out, ignore_errors=True)
+            raise HfscaleError(f"{out} did not reload to the quantized model ({record['reload_tensors_differing']} "
+                               f"tensors differ), so it was removed: a save bug for scheme {spec.scheme}; pass "
+                               "--no-verify to keep it anyway, or report it")
         with torch.no_grad():
             live = model(input_ids=ids).logits.float()
             back = reloaded(input_ids=ids).logits.float()
         record["reload_max_abs_dlogit"] = float((live - back).abs().max())
     return record
-

@@ -51,8 +51,9 @@ def save_model_dir(model, out: str | Path, tokenizer=None, force: bool = False, 
 
 
 def differing_tensors(a, b) -> int:
-    """How many of the state's plain tensors (a quantized tensor's int data, scales and zero points each count)
-    are not bit for bit equal between the two models, or missing from one: what the save must preserve. The logits
+    """How many of the state's plain tensors (a quantized tensor's int data, scales and zero points each count, and
+    its metadata: class, block size, layout, shape, dtype) are not bit for bit equal between the two models, or
+    missing from one: what the save must preserve. The logits
     are reported beside it, but with dynamic activation quantization (8da4w) they are not a bitwise test: the GEMM
     on a reloaded (differently aligned) copy can differ in the last float bit, which may flip one int8 activation
     rounding and move a logit by ~1e-3 (5.8e-3 seen on a CI host, 0.0 here)."""
@@ -64,7 +65,10 @@ def differing_tensors(a, b) -> int:
 
         def add(name, t):
             if is_traceable_wrapper_subclass(t):
-                for inner in t.__tensor_flatten__()[0]:
+                inners, meta = t.__tensor_flatten__()
+                # grid, layout, shape (a reload gives lists where the quantizer made tuples: the same grid)
+                out[f"{name}.<meta>"] = f"{type(t).__name__} {_plain(meta)!r} {tuple(t.shape)} {t.dtype}"
+                for inner in inners:
                     if getattr(t, inner) is not None:
                         add(f"{name}.{inner}", getattr(t, inner))
             else:
@@ -78,7 +82,9 @@ def differing_tensors(a, b) -> int:
     differ = len(fa.keys() ^ fb.keys())
     for k in fa.keys() & fb.keys():
         x, y = fa[k], fb[k]
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(_bits(x), _bits(y)):
+        if isinstance(x, str) or isinstance(y, str):
+            differ += x != y
+        elif x.dtype != y.dtype or x.shape != y.shape or not torch.equal(_bits(x), _bits(y)):
             differ += 1
     return differ
 
@@ -87,3 +93,12 @@ def _bits(t):
     import torch
 
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _plain(meta):
+    """Metadata with lists as tuples, recursively (what a reload reads back as JSON lists)."""
+    if isinstance(meta, dict):
+        return {k: _plain(v) for k, v in meta.items()}
+    if isinstance(meta, (list, tuple)):
+        return tuple(_plain(v) for v in meta)
+    return meta

@@ -26,7 +26,7 @@ order, packs, and renames the store into place (hfscale.data.merge); the other r
 accelerate, no process group: ranks coordinate through renames on the shared file system, so the store is the same
 bytes at any world size and a part finished before a kill -9 is reused by the next attempt. Memory holds one unit
 (<= 32 MiB of input) per rank; the merge works a chunk of documents at a time, so it does not grow with the corpus
-either (bfd: 4 bytes per document in a few int32 arrays; benchmarks/data_pipeline.md (b)); reading maps the files.
+either (bfd: int32 arrays over every document, 12-16 bytes per document; benchmarks/data_pipeline.md (b)); reading maps the files.
 """
 
 from __future__ import annotations

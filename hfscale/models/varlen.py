@@ -71,6 +71,32 @@ def register() -> str:
     return NAME
 
 
+def check_attention(attention: str, config) -> None:
+    """Refuse (ConfigError, one line) an `attention:` choice this model or host cannot run, before anything is
+    written: varlen on chunked attention (Llama 4) or on a model whose attention is not purely causal (image
+    tokens' bidirectional blocks, non-causal configs: the mask hook would drop them); flash without CUDA and its
+    package."""
+    import importlib.util
+
+    from ..util.errors import ConfigError
+
+    if attention == "varlen":
+        for cfg in (config, getattr(config, "text_config", None)):
+            if cfg is not None and getattr(cfg, "attention_chunk_size", None):
+                raise ConfigError(f"{type(cfg).__name__} uses chunked attention (attention_chunk_size), which the varlen "
+                                  "kernel does not apply; keep attention: sdpa (or flash_attention_2 on GPUs)")
+        if getattr(config, "vision_config", None) is not None or getattr(config, "is_causal", True) is False:
+            raise ConfigError(f"attention: varlen is for causal text models; {type(config).__name__} has image tokens "
+                              "or non-causal attention it would not apply: drop attention (or use sdpa)")
+    elif attention.startswith("flash"):
+        import torch
+
+        package = "flash_attn_interface" if attention == "flash_attention_3" else "flash_attn"
+        if not torch.cuda.is_available() or importlib.util.find_spec(package) is None:
+            raise ConfigError(f"attention: {attention} needs a CUDA GPU and the {package} package; on this host use "
+                              "attention: varlen (packed documents, no L x L mask) or sdpa")
+
+
 def use_varlen_(model) -> str:
     """Run `model`'s attention through this kernel (in place; through DDP / DeepSpeed `.module` wrappers). Returns
     the previous attn_implementation (set it back with model.set_attn_implementation(previous))."""
@@ -78,10 +104,7 @@ def use_varlen_(model) -> str:
     while not hasattr(config, "_attn_implementation") and hasattr(model, "module"):
         model = model.module
         config = model.config
-    for cfg in (config, getattr(config, "text_config", None)):
-        if cfg is not None and getattr(cfg, "attention_chunk_size", None):
-            raise ValueError(f"{type(cfg).__name__} uses chunked attention (attention_chunk_size), which the varlen "
-                             "kernel does not apply; keep attention: sdpa (or flash_attention_2 on GPUs)")
+    check_attention("varlen", config)
     previous = config._attn_implementation
     model.set_attn_implementation(register())
     return previous

@@ -33,14 +33,26 @@ def extensions_root() -> Path:
     return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_{kind}"
 
 
-def _busy_dirs() -> set[Path]:
-    """Working directories of this host's processes (those we may read): where a build is running."""
+BUILDERS = ("ninja", "c++", "g++", "gcc", "cc1plus", "clang", "python")  # what holds a build's lock or runs in it
+
+
+def _busy_dirs() -> set[Path] | None:
+    """Working directories of this host's processes: where a build is running. None when a process that could be a
+    build (a compiler, ninja, python: another user's, say) hides its directory: then no lock is called stale.
+    Processes that ended meanwhile, and others we may not read (an init process), do not count."""
     busy = set()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             busy.add(Path(os.readlink(proc / "cwd")))
-        except OSError:
+        except FileNotFoundError:
             continue
+        except OSError:
+            try:
+                name = (proc / "comm").read_text().strip()
+            except OSError:
+                continue
+            if name.startswith(BUILDERS):
+                return None
     return busy
 
 
@@ -51,6 +63,8 @@ def stale_locks(root: Path | None = None, min_age_s: float = 60.0) -> list[Path]
     if not locks:
         return []
     now, busy = time.time(), _busy_dirs()
+    if busy is None:
+        return []
     stale = []
     for lock in locks:
         try:

@@ -171,6 +171,9 @@ class QATRecipeConfig(TrainConfig):
         if self.adapter != "none":
             raise ConfigError(f"qat_clm trains LoRA on the fake-quantized base with --lora-rank N (got adapter "
                               f"{self.adapter}); drop adapter / --adapter")
+        if self.attention:  # train_clm applies it; this recipe's model keeps its own kernel
+            raise ConfigError(f"qat_clm runs the model's own attention kernel (got attention {self.attention}); drop "
+                              "attention / --attention (recipes/train_clm.py applies it)")
 
     @property
     def adapter_spec(self):

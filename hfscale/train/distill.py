@@ -52,6 +52,9 @@ class DistillRecipeConfig(TrainConfig):
         if self.adapter != "none":  # its recipe builds the student in full; an adapter would be silently ignored
             raise ConfigError(f"distill_clm trains the whole student (got adapter {self.adapter}); drop --adapter, "
                               "or fine-tune with adapters in recipes/train_clm.py")
+        if self.attention:  # train_clm applies it; student and teacher keep their own kernel here
+            raise ConfigError(f"distill_clm runs the models' own attention kernel (got attention {self.attention}); "
+                              "drop attention / --attention (recipes/train_clm.py applies it)")
         if self.teacher_placement not in TEACHER_PLACEMENTS:
             raise ConfigError(f"teacher_placement {self.teacher_placement!r} not understood; use one of "
                               + ", ".join(f"{k} ({v})" for k, v in TEACHER_PLACEMENTS.items()))

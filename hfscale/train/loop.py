@@ -276,7 +276,9 @@ def setup_failed(e: BaseException, tag: str, rank: int, wait_s: float = 60.0) ->
     to the others) but must not leave first: torchrun SIGTERMs the rest as soon as one rank exits, and rank 0 then
     died before its line (seen: a 2-rank launch on a chat file whose tokenizer has no chat template ended with no
     message at all). So they wait up to `wait_s` for that SIGTERM, sent once rank 0 has printed and left, and only
-    then say it themselves (an error rank 0 did not meet)."""
+    then say it themselves (an error rank 0 did not meet). Under launchers that do not end the other ranks (srun
+    starting every rank itself, mpirun) a refused run ends `wait_s` later; hfscale's SLURM path runs torchrun
+    (accelerate launch) per node, which does."""
     import sys
     import time
 
