@@ -88,22 +88,39 @@ def keep_bnb_layout_(model) -> int:
 
 def quantized_bytes_in_memory(model) -> int:
     """Bytes the weights occupy in memory (quantized tensors count their int data and scales)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) in seen:
             continue
         seen.add(id(t))
-        total += _tensor_bytes(t, is_traceable_wrapper_subclass)
+        total += sum(x.numel() * x.element_size() for _, x in plain_parts("", t) if not isinstance(x, str))
     return total
 
 
-def _tensor_bytes(t, is_subclass) -> int:
-    if is_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n), is_subclass) for n in names if getattr(t, n) is not None)
-    return t.numel() * t.element_size()
+def plain_parts(name: str, t):
+    """(name, plain tensor) for each tensor inside a quantized tensor subclass (int data, scales, zero points,
+    recursively), then (name + ".<meta>", its metadata as text); a plain tensor is its own single part. The one walk
+    over torchao's subclasses: memory counting here, the save's bit-for-bit check (compress.save.differing_tensors)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        yield name, t
+        return
+    inners, meta = t.__tensor_flatten__()
+    for inner in inners:
+        if getattr(t, inner) is not None:
+            yield from plain_parts(f"{name}.{inner}", getattr(t, inner))
+    # grid, layout, shape (a reload gives lists where the quantizer made tuples: the same grid)
+    yield f"{name}.<meta>", f"{type(t).__name__} {_plain(meta)!r} {tuple(t.shape)} {t.dtype}"
+
+
+def _plain(meta):
+    """Metadata with lists as tuples, recursively (what a reload reads back as JSON lists)."""
+    if isinstance(meta, dict):
+        return {k: _plain(v) for k, v in meta.items()}
+    if isinstance(meta, (list, tuple)):
+        return tuple(_plain(v) for v in meta)
+    return meta
 
 
 def ptq_in_memory(src: str, spec: QuantSpec, calibration=None):

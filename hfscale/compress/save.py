@@ -58,25 +58,11 @@ def differing_tensors(a, b) -> int:
     on a reloaded (differently aligned) copy can differ in the last float bit, which may flip one int8 activation
     rounding and move a logit by ~1e-3 (5.8e-3 seen on a CI host, 0.0 here)."""
     import torch
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    from .ptq import plain_parts
 
     def flat(model) -> dict:
-        out = {}
-
-        def add(name, t):
-            if is_traceable_wrapper_subclass(t):
-                inners, meta = t.__tensor_flatten__()
-                # grid, layout, shape (a reload gives lists where the quantizer made tuples: the same grid)
-                out[f"{name}.<meta>"] = f"{type(t).__name__} {_plain(meta)!r} {tuple(t.shape)} {t.dtype}"
-                for inner in inners:
-                    if getattr(t, inner) is not None:
-                        add(f"{name}.{inner}", getattr(t, inner))
-            else:
-                out[name] = t
-
-        for name, t in model.state_dict().items():
-            add(name, t)
-        return out
+        return {k: v for name, t in model.state_dict().items() for k, v in plain_parts(name, t)}
 
     fa, fb = flat(a), flat(b)
     differ = len(fa.keys() ^ fb.keys())
@@ -93,12 +79,3 @@ def _bits(t):
     import torch
 
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _plain(meta):
-    """Metadata with lists as tuples, recursively (what a reload reads back as JSON lists)."""
-    if isinstance(meta, dict):
-        return {k: _plain(v) for k, v in meta.items()}
-    if isinstance(meta, (list, tuple)):
-        return tuple(_plain(v) for v in meta)
-    return meta
