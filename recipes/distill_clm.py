@@ -18,6 +18,9 @@ accelerate config says (DDP, DeepSpeed ZeRO-1/2/3). quality.json records what ea
 records carry the held-out CE and KL to the teacher, at step 0 and every eval_every steps),
 OUTPUT_DIR/checkpoints/step_N (--resume latest), OUTPUT_DIR/model (consolidated, from_pretrained
 loads it) and OUTPUT_DIR/quality.json (teacher / student-before / student-after perplexity and KL).
+The student is built as train_clm builds its model (hfscale.train.prepare: checkpointing, tiled MLP / RMSNorm,
+activation offload); what this recipe cannot honour (attention, --adapter, Ulysses SP, tiled_loss) is refused in one
+line (hfscale.train.recipe).
 """
 
 from __future__ import annotations
@@ -29,49 +32,30 @@ import sys
 from pathlib import Path
 
 
-def parse_args(argv=None):
-    from hfscale.train.config import parse_recipe_args
-    from hfscale.train.distill import DistillRecipeConfig
-
-    return parse_recipe_args(argv, __doc__, "recipe YAML (recipes/<family>/distill.yaml)", DistillRecipeConfig)
-
-
 def main(argv=None) -> int:
-    from hfscale.util.errors import HfscaleError
+    from hfscale.train.distill import DistillRecipeConfig
+    from hfscale.train.recipe import run_recipe
 
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        config_path, overrides, force = parse_args(argv)
-        from hfscale.models import load_config
-        from hfscale.train.config import load_recipe
-        from hfscale.train.distill import DistillRecipeConfig, check_pair, check_placement
-        from hfscale.train.loop import prepare_data, preflight
-
-        cfg = load_recipe(config_path, overrides, cls=DistillRecipeConfig)
-        check_pair(load_config(cfg.model), load_config(cfg.teacher), cfg.teacher)
-        check_placement(cfg, os.environ)
-        pre = preflight(cfg, force, source=config_path)
-        store = prepare_data(pre, rank, "distill_clm")
-    except HfscaleError as e:
-        from hfscale.train.loop import setup_failed
-
-        return setup_failed(e, "distill_clm", rank)  # one line from rank 0; the other ranks do not leave first
-    from hfscale.train.loop import stopped
-
-    try:
-        return train(cfg, force, pre, store)
-    except Exception as e:  # a preemption (75), a failed save (74), a resume the ranks disagree on (2); else re-raised
-        return stopped(e, "distill_clm", rank)
+    return run_recipe(argv, __doc__, DistillRecipeConfig, train, check=check,
+                      config_help="recipe YAML (recipes/<family>/distill.yaml)")
 
 
-def train(cfg, force, pre, store) -> int:
+def check(cfg) -> None:
+    """Before anything loads: one vocabulary for student and teacher, and a launch that can hold the teacher's placement."""
+    from hfscale.models import load_config
+    from hfscale.train.distill import check_pair, check_placement
+
+    check_pair(load_config(cfg.model), load_config(cfg.teacher), cfg.teacher)
+    check_placement(cfg, os.environ)
+
+
+def train(cfg, force, pre, parallel, store) -> int:
     from hfscale.data.recipe import run_rows
     from hfscale.models import build_model
-    from hfscale.scale.optim import adamw_impl
-    from hfscale.scale.runtime import make_optimizer
     from hfscale.train.distill import gather_shares, heldout_kl, kd_loss_fn, load_teacher
     from hfscale.train.loop import evaluate, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
+    from hfscale.train.prepare import prepare_training
     from hfscale.train.state import model_fingerprint, save_final
 
     plan, data, ckpts, resume = pre.plan, pre.data, pre.ckpts, pre.resume
@@ -86,12 +70,11 @@ def train(cfg, force, pre, store) -> int:
     rows = run_rows(store, plan, cfg.seed, cfg.max_train_blocks, cfg.eval_blocks)
     val_blocks = rows.val
 
-    # --- models: trainable student, frozen teacher (replicated, or partitioned by its own ZeRO-3 engine) ---
-    model = build_model(cfg.model, seed=cfg.seed)
-    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw=cfg.adamw)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    # --- models: trainable student (checkpointing and the levers on it), frozen teacher (replicated, or partitioned
+    # by its own ZeRO-3 engine) ---
+    run = prepare_training(accelerator, cfg, pre, build_model(cfg.model, seed=cfg.seed))
+    model, optimizer, n_student = run.model, run.optimizer, run.params
     teacher = load_teacher(cfg.teacher, accelerator.device, cfg.teacher_placement)
-    n_student = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     shares = gather_shares(accelerator, teacher)
     n_teacher = shares[0].total_numel
     held = "replicated" if cfg.teacher_placement == "replicated" else \
@@ -99,7 +82,7 @@ def train(cfg, force, pre, store) -> int:
     if main_rank:
         print(f"[distill_clm] student {cfg.model}: {n_student:,} params; teacher {cfg.teacher}: {n_teacher:,} params "
               f"(frozen, {held}); KL weight {1 - cfg.ce_weight:g} at T={cfg.temperature:g}, CE weight {cfg.ce_weight:g}; "
-              f"AdamW {adamw_impl(optimizer)}")
+              f"AdamW {run.adamw}{run.facts()}")
     start = resume_from(accelerator, resume, "distill_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "teacher": cfg.teacher, "model_fingerprint": model_fingerprint(pre.model_config),
@@ -115,7 +98,7 @@ def train(cfg, force, pre, store) -> int:
     # --- train: the student before any step is the baseline the report compares with ---
     first = eval_record(start, start=True)
     train_steps(accelerator, model, optimizer, cfg, plan, rows.train, val_blocks, ckpts, log, start, meta,
-                kd_loss_fn(teacher, cfg), tag="distill_clm", read_batch=rows.reader.batch, step_tokens=rows.reader.trained)
+                run.wrap(kd_loss_fn(teacher, cfg)), tag="distill_clm", read_batch=rows.reader.batch, step_tokens=rows.reader.trained)
 
     # --- evaluate and save (consolidated: ZeRO shards gathered on the main rank) ---
     last = eval_record(cfg.max_steps, final=True)

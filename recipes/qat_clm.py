@@ -12,70 +12,68 @@ OUTPUT_DIR/quantized (a transformers dir that `from_pretrained` reloads; for q4_
 llama.cpp's grid, for `hfscale quantize --format gguf --qtype Q4_0`), OUTPUT_DIR/quality.json and
 prints float / PTQ / QAT perplexity side by side with the share of PTQ's loss QAT recovered.
 Everything else (the data: any format, its loss masks, the token store and packing; batching, checkpoints,
---resume latest, metrics.jsonl) is train_clm.py's.
+--resume latest, metrics.jsonl; activation checkpointing and the long-context levers: hfscale.train.prepare) is
+train_clm.py's; what this recipe cannot honour (attention, --adapter, Ulysses SP, tiled_loss with distill) is refused
+in one line (hfscale.train.recipe).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 
-def parse_args(argv=None):
-    from hfscale.train.config import QATRecipeConfig, parse_recipe_args
-
-    return parse_recipe_args(argv, __doc__, "recipe YAML (recipes/<family>/<size>_qat.yaml)", QATRecipeConfig)
-
-
 def main(argv=None) -> int:
+    from hfscale.train.config import QATRecipeConfig
+    from hfscale.train.recipe import run_recipe
+
+    return run_recipe(argv, __doc__, QATRecipeConfig, train, check=check,
+                      config_help="recipe YAML (recipes/<family>/<size>_qat.yaml)")
+
+
+def check(cfg) -> None:
+    """Before anything loads: QAT starts from trained weights."""
+    from hfscale.models import is_builtin
     from hfscale.util.errors import HfscaleError
 
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        config_path, overrides, force = parse_args(argv)
-        from hfscale.models import is_builtin
-        from hfscale.train.config import QATRecipeConfig, load_recipe
-        from hfscale.train.loop import prepare_data, preflight
-
-        cfg = load_recipe(config_path, overrides, cls=QATRecipeConfig)
-        if is_builtin(cfg.model):
-            raise HfscaleError(f"QAT fine-tunes a trained checkpoint; {cfg.model} is a random init: pass --model "
-                               "runs/tiny/model (from recipes/train_clm.py) or another trained directory")
-        pre = preflight(cfg, force, source=config_path)
-        store = prepare_data(pre, rank, "qat_clm")
-    except HfscaleError as e:
-        from hfscale.train.loop import setup_failed
-
-        return setup_failed(e, "qat_clm", rank)  # one line from rank 0; the other ranks do not leave first
-    from hfscale.train.loop import stopped
-
-    try:
-        return train(cfg, force, pre, store)
-    except Exception as e:  # a preemption (75), a failed save (74), a resume the ranks disagree on (2); else re-raised
-        return stopped(e, "qat_clm", rank)
+    if is_builtin(cfg.model):
+        raise HfscaleError(f"QAT fine-tunes a trained checkpoint; {cfg.model} is a random init: pass --model "
+                           "runs/tiny/model (from recipes/train_clm.py) or another trained directory")
 
 
 def build_student(cfg, spec):
-    """The trained checkpoint, fake-quantized, optionally with LoRA adapters on top."""
-    from hfscale.compress.qat import add_lora_, prepare_qat_
+    """The trained checkpoint, fake-quantized, optionally with LoRA adapters on top (as it trained)."""
+    from hfscale.scale.adapters import apply_adapter
+
+    return apply_adapter(fake_quantized(cfg, spec), lora_of(cfg))
+
+
+def fake_quantized(cfg, spec):
+    """The trained checkpoint with its linears fake-quantized to the scheme's grid (hfscale.compress.qat)."""
+    from hfscale.compress.qat import prepare_qat_
     from hfscale.models import build_model
 
-    model = prepare_qat_(build_model(cfg.model), spec)
-    return add_lora_(model, cfg.lora_rank) if cfg.lora_rank else model
+    return prepare_qat_(build_model(cfg.model), spec)
 
 
-def train(cfg, force, pre, store) -> int:
+def lora_of(cfg):
+    """--lora-rank N: LoRA on the fake-quantized base (hfscale.compress.qat.lora_spec); 0: the whole model trains."""
+    from hfscale.compress.qat import lora_spec
+    from hfscale.scale.adapters import AdapterSpec
+
+    return lora_spec(cfg.lora_rank) if cfg.lora_rank else AdapterSpec()
+
+
+def train(cfg, force, pre, parallel, store) -> int:
     from hfscale.compress.schemes import QuantSpec
     from hfscale.data.recipe import run_rows
     from hfscale.models import build_model
-    from hfscale.scale.optim import adamw_impl
-    from hfscale.scale.runtime import make_optimizer
     from hfscale.train.distill import distill_loss_fn
-    from hfscale.train.loop import evaluate, lm_loss, resume_from, start_run, train_steps
+    from hfscale.train.loop import evaluate, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
+    from hfscale.train.prepare import prepare_training
     from hfscale.train.state import model_fingerprint
 
     spec = QuantSpec(cfg.scheme, group_size=cfg.group_size, include_embeddings=cfg.include_embeddings)
@@ -89,20 +87,17 @@ def train(cfg, force, pre, store) -> int:
     tokenizer = data.tokenizer
     rows = run_rows(store, plan, cfg.seed, cfg.max_train_blocks, cfg.eval_blocks)
 
-    # --- model: fake-quantized student, optional frozen teacher (the unquantized checkpoint) ---
-    model = build_student(cfg, spec)
-    loss_fn = lm_loss
+    # --- model: fake-quantized student (checkpointing and the levers on it, LoRA on top), optional frozen teacher
+    # (the unquantized checkpoint) ---
+    run = prepare_training(accelerator, cfg, pre, fake_quantized(cfg, spec), adapter=lora_of(cfg))
+    model, optimizer, loss_fn = run.model, run.optimizer, run.loss_fn
     if cfg.distill > 0:
         teacher = build_model(cfg.model).to(accelerator.device).eval().requires_grad_(False)
-        loss_fn = distill_loss_fn(teacher, cfg.distill, cfg.temperature)
-
-    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw=cfg.adamw)
-    model, optimizer = accelerator.prepare(model, optimizer)
+        loss_fn = run.wrap(distill_loss_fn(teacher, cfg.distill, cfg.temperature))
     if main_rank:
-        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         print(f"[qat_clm] {cfg.model} fake-quantized for {spec.scheme} (group {spec.group_size or 'per-channel'}), "
-              f"{trainable:,} trainable params{' (LoRA r=' + str(cfg.lora_rank) + ')' if cfg.lora_rank else ''}, "
-              f"distill {cfg.distill}, AdamW {adamw_impl(optimizer)}")
+              f"{run.trained:,} trainable params{' (LoRA r=' + str(cfg.lora_rank) + ')' if cfg.lora_rank else ''}, "
+              f"distill {cfg.distill}, AdamW {run.adamw}{run.facts()}")
     start = resume_from(accelerator, resume, "qat_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config), "world": plan.world,

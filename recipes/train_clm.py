@@ -28,36 +28,18 @@ import sys
 from pathlib import Path
 
 
-def parse_args(argv=None):
-    from hfscale.train.config import parse_recipe_args
-
-    return parse_recipe_args(argv, __doc__, "recipe YAML (recipes/<family>/<size>.yaml)")
-
-
 def main(argv=None) -> int:
-    from hfscale.util.errors import HfscaleError
+    from hfscale.train.config import TrainConfig
+    from hfscale.train.recipe import run_recipe
 
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        config_path, overrides, force = parse_args(argv)
-        from hfscale.train.config import load_recipe
-        from hfscale.train.loop import prepare_data, preflight
+    return run_recipe(argv, __doc__, TrainConfig, train, check_launch=check,
+                      config_help="recipe YAML (recipes/<family>/<size>.yaml)")
 
-        cfg = load_recipe(config_path, overrides)
-        pre = preflight(cfg, force, source=config_path)
-        check_adapter(cfg, pre)
-        parallel = check_parallel(cfg, pre)
-        store = prepare_data(pre, rank, "train_clm")
-    except HfscaleError as e:
-        from hfscale.train.loop import setup_failed
 
-        return setup_failed(e, "train_clm", rank)  # one line from rank 0; the other ranks do not leave first
-    from hfscale.train.loop import stopped
-
-    try:
-        return train(cfg, force, pre, parallel, store)
-    except Exception as e:  # a preemption (75), a failed save (74), a resume the ranks disagree on (2); else re-raised
-        return stopped(e, "train_clm", rank)
+def check(cfg, pre) -> None:
+    """train_clm's own refusals, once the model's config and the launch are known (before any process group)."""
+    check_adapter(cfg, pre)
+    check_parallel(cfg, pre)
 
 
 def check_parallel(cfg, pre):
@@ -91,15 +73,10 @@ def check_parallel(cfg, pre):
 
 def train(cfg, force, pre, parallel, store) -> int:
     from hfscale.models import build_model
-    from hfscale.scale.optim import adamw_impl
-    from hfscale.scale.runtime import make_optimizer
-    from hfscale.scale.checkpointing import apply_checkpointing_
-    from hfscale.scale.long_context import apply_levers_, with_levers
-    from hfscale.scale.ulysses import per_layer_heads
     from hfscale.data.recipe import run_rows
-    from hfscale.train.loop import evaluate, lm_loss, resume_from, start_run, train_steps
+    from hfscale.train.loop import evaluate, resume_from, start_run, train_steps
     from hfscale.train.metrics import MetricsLog
-    from hfscale.scale.adapters import adapter_param_groups, apply_adapter, gather_dora_inputs_
+    from hfscale.train.prepare import prepare_training
     from hfscale.train.state import model_fingerprint, save_final, save_final_adapter
     from hfscale.data.sampler import data_parallel
 
@@ -124,41 +101,16 @@ def train(cfg, force, pre, parallel, store) -> int:
     rows = run_rows(store, plan, cfg.seed, cfg.max_train_blocks, cfg.eval_blocks)
     train_rows, reader, val_batches, val_rows = rows.train, rows.reader, rows.val, rows.val.dataset
 
-    # --- model: the base (NF4 for QLoRA), checkpointing and the levers on it, then the adapter (base frozen) ---
+    # --- model: the base (NF4 for QLoRA); attention, checkpointing, the levers, the adapter, SP, AdamW, prepared ---
     spec = cfg.adapter_spec
-    model = build_base(cfg, spec, pre, accelerator)
-    if cfg.attention:  # varlen: packed documents attend within themselves, no L x L mask (hfscale.models.varlen)
-        from hfscale.models.varlen import set_attention_
-
-        set_attention_(model, cfg.attention)
-    loss_fn = lm_loss
-    if parallel.sp > 1:  # Ulysses wraps the kernel the model runs: the same one, window-aware where it is sdpa
-        from deepspeed.utils import groups
-
-        from hfscale.scale.ulysses import sp_lm_loss, use_window_sdpa
-
-        model.config._attn_implementation = parallel.sp_attention
-        if parallel.sp_attention == "sdpa":
-            use_window_sdpa()
-    layers = apply_checkpointing_(model, cfg.checkpointing, pre.launch.fsdp_checkpoints_all)
-    levers = apply_levers_(model, cfg.levers)  # long context: tiled loss / MLP / RMSNorm (docs/long_context.md)
-    model = apply_adapter(model, spec)  # a peft model: only the adapters train (non-reentrant checkpointing needs no input grads)
-    optimizer = make_optimizer(accelerator, model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
-                               params=adapter_param_groups(model, spec, cfg.lr, cfg.weight_decay) if spec.enabled else None)
-    with per_layer_heads(model):  # Ulysses on layers of different head shapes (Gemma 4); else nothing
-        model, optimizer = accelerator.prepare(model, optimizer)
-    if spec.dora:  # ZeRO-3: DoRA reads lora_A / the base weight outside their forward (a resume's recompute crashed)
-        gather_dora_inputs_(accelerator.unwrap_model(model))
-    if parallel.sp > 1:
-        loss_fn = sp_lm_loss(groups._get_sequence_parallel_group(), tiled=bool(cfg.tiled_loss))
-    loss_fn = with_levers(loss_fn, cfg.levers, model)  # activation offload around the forward
+    run = prepare_training(accelerator, cfg, pre, build_base(cfg, spec, pre, accelerator), parallel=parallel)
+    model, optimizer, loss_fn = run.model, run.optimizer, run.loss_fn
     if main_rank:
-        trained = sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad)
-        print(f"[train_clm] {cfg.model}: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} params"
-              + (f" ({spec.describe()}: {trained:,} trained)" if spec.enabled else "") + ", "
-              f"{len(train_rows):,} train / {len(val_rows)} eval rows, checkpointed layers {layers or 'none'}, "
-              f"AdamW {adamw_impl(optimizer)}" + (f", attention {cfg.attention}" if cfg.attention else "")
-              + (f"; {', '.join(levers)}" if levers else ""))
+        print(f"[train_clm] {cfg.model}: {run.params:,} params"
+              + (f" ({spec.describe()}: {run.trained:,} trained)" if spec.enabled else "") + ", "
+              f"{len(train_rows):,} train / {len(val_rows)} eval rows, checkpointed layers {run.layers or 'none'}, "
+              f"AdamW {run.adamw}" + (f", attention {cfg.attention}" if cfg.attention else "")
+              + (f"; {', '.join(run.applied)}" if run.applied else ""))
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config, spec), "world": plan.world,

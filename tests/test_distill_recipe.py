@@ -62,13 +62,16 @@ def test_distill_zero2_two_processes_kill_resume_save(tmp_path, pair):
 
     teacher, student, n_student = pair
     out = tmp_path / "run"
-    common = ["--model", student, "--teacher", teacher, "--max-steps", "4", "--save-every", "2", "--keep-last", "1"]
+    # checkpointing on the student, as train_clm applies it (hfscale.train.prepare; once accepted and ignored here)
+    common = ["--model", student, "--teacher", teacher, "--max-steps", "4", "--save-every", "2", "--keep-last", "1",
+              "--checkpointing", "full"]
     rc, log = _launch(out, *common, fault="kill@step:3:1")  # SIGKILL rank 1 after step 3 (checkpoint at 2)
     assert rc != 0 and (out / "checkpoints" / "step_00000002").is_dir(), log[-3000:]
     rc, log = _launch(out, *common, "--resume", "latest")
     assert rc == 0, log[-3000:]
     assert "DistributedType.DEEPSPEED world 2: 2 micro × 2 accum × 2 ranks × 64 = 512 tokens/step" in log
     assert f"student {student}: {n_student:,} params" in log and "(frozen, replicated)" in log
+    assert "AdamW fused; checkpointed layers [0, 1, 2, 3]" in log
     assert "resumed from" in log and "at step 2" in log
     assert sorted(read_records(out / "metrics.jsonl")) == [1, 2, 3, 4]
     ev = read_records(out / "metrics.jsonl", "eval")

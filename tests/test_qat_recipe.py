@@ -94,7 +94,8 @@ def trained_in(batches) -> int:
 def test_qat_recipe_lora_and_distillation_in_one_process(tmp_path, trained):
     """The recipe also runs without a launcher (1 process): LoRA adapters on the fake-quantized base,
     half the loss from the teacher's probabilities; the adapters are merged before convert. On the built-in chat
-    set through the token store: assistant turns trained, the rest masked (train_clm's data path)."""
+    set through the token store: assistant turns trained, the rest masked (train_clm's data path). Checkpointing and
+    the tiled MLP apply here as in train_clm (hfscale.train.prepare; they were once accepted and ignored)."""
     from safetensors import safe_open
 
     import shutil
@@ -104,10 +105,12 @@ def test_qat_recipe_lora_and_distillation_in_one_process(tmp_path, trained):
     shutil.copy(ROOT / "hfscale" / "models" / "data" / "chat_template.jinja", model / "chat_template.jinja")
     r = subprocess.run([sys.executable, str(RECIPE), "--config", str(QAT_YAML), "--model", str(model), "--output-dir", str(out),
                         "--scheme", "int4wo", "--group-size", "0", "--lora-rank", "4", "--distill", "0.5", "--max-steps", "2",
-                        "--lr", "1e-2", *FAST, "--data", "builtin-chat", "--overflow", "split"], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                        "--lr", "1e-2", *FAST, "--data", "builtin-chat", "--overflow", "split", "--checkpointing", "every:2",
+                        "--tiled-mlp", "2"], capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "(LoRA r=4)" in r.stdout and "distill 0.5" in r.stdout
+    assert "; checkpointed layers [0, 2]; tiled MLP x2 on 4 layers" in r.stdout
     trainable = int(r.stdout.split("group per-channel), ")[1].split(" trainable")[0].replace(",", ""))
     assert 0 < trainable < 100_000  # adapters only: r x (in + out) per projection, not the 3M base
     with safe_open(str(out / "quantized" / "model.safetensors"), framework="pt") as st:

@@ -134,6 +134,31 @@ def test_recipe_config_errors():
     assert load_recipe(None, {"lr": "3e-4", "doctor": "false"}).lr == 3e-4
 
 
+def test_what_a_recipe_cannot_honour_is_refused_from_one_table():
+    """qat_clm / distill_clm accept every TrainConfig setting: checkpointing and the levers they now apply
+    (hfscale.train.prepare); what they cannot honour is one line from hfscale.train.recipe.UNSUPPORTED, at load
+    (the settings) or at launch (its parallelism), never dropped."""
+    from hfscale.scale.spec import Parallel
+    from hfscale.train.config import QATRecipeConfig
+    from hfscale.train.distill import DistillRecipeConfig
+    from hfscale.train.recipe import UNSUPPORTED, refuse_unsupported
+
+    for values, cls, needle in [({"attention": "varlen"}, QATRecipeConfig, "qat_clm runs the model's own attention"),
+                                ({"adapter": "dora"}, DistillRecipeConfig, "distill_clm trains the whole student"),
+                                ({"tiled_loss": "2", "distill": "0.5"}, QATRecipeConfig, "set tiled_loss: 0, or distill: 0"),
+                                ({"tiled_loss": "2"}, DistillRecipeConfig, "distill_clm's KL to the teacher needs")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_recipe(None, {"teacher": "t", **values} if cls is DistillRecipeConfig else values, cls=cls)
+    qat = load_recipe(None, {"checkpointing": "full", "tiled_mlp": "2", "tiled_loss": "2", "offload_activations": "true"},
+                      cls=QATRecipeConfig)  # the levers without a distill term: the next-token loss tiles
+    refuse_unsupported(qat, Parallel())
+    for cfg in (qat, DistillRecipeConfig(teacher="t", checkpointing="every:2", tiled_norm=2)):
+        with pytest.raises(ConfigError, match=f"{cfg.recipe} runs data parallelism only; this launch asks for sp 2"):
+            refuse_unsupported(cfg, Parallel(sp=2))
+    refuse_unsupported(TrainConfig(attention="varlen", adapter="lora", tiled_loss=2), Parallel(sp=2))  # train_clm: all
+    assert {r for r, *_ in UNSUPPORTED} == {"qat_clm", "distill_clm"}
+
+
 # --- bad input: one line, exit 2, nothing written ---------------------------------------------------
 
 def run_recipe(*args, env=None, cwd=None):

@@ -73,14 +73,21 @@ def convert_qat_(model, scheme):
     return model
 
 
-def add_lora_(model, rank: int, alpha: int | None = None, dropout: float = 0.0):
-    """LoRA adapters on the (fake-quantized) decoder linears; only the adapters train. Returns the PeftModel.
-    The one LoRA home is hfscale.scale.adapters: this is AdapterSpec("lora", rank, alpha, dropout) applied."""
-    from ..scale.adapters import AdapterSpec, apply_adapter
+def lora_spec(rank: int, alpha: int | None = None, dropout: float = 0.0):
+    """The LoRA QAT trains on the (fake-quantized) decoder linears: hfscale.scale.adapters.AdapterSpec("lora", rank,
+    alpha, dropout), the one LoRA home (recipes/qat_clm.py applies it through hfscale.train.prepare)."""
+    from ..scale.adapters import AdapterSpec
 
     if rank < 1:
         raise ConfigError(f"lora rank must be >= 1 (got {rank}); use 0 to train the full model")
-    return apply_adapter(model, AdapterSpec("lora", rank=rank, alpha=alpha, dropout=dropout))
+    return AdapterSpec("lora", rank=rank, alpha=alpha, dropout=dropout)
+
+
+def add_lora_(model, rank: int, alpha: int | None = None, dropout: float = 0.0):
+    """LoRA adapters on the (fake-quantized) decoder linears; only the adapters train. Returns the PeftModel."""
+    from ..scale.adapters import apply_adapter
+
+    return apply_adapter(model, lora_spec(rank, alpha, dropout))
 
 
 def merge_lora(model):

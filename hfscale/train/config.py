@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from ..util.errors import ConfigError, HfscaleError, first_line
 
@@ -16,6 +17,7 @@ LORA_DEFAULTS = {"lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0, "lo
 
 @dataclass(frozen=True)
 class TrainConfig:
+    recipe: ClassVar[str] = "train_clm"  # the recipe this config runs (hfscale.train.recipe: what it cannot honour)
     model: str = "tiny-gemma3"  # built-in name, local transformers dir, or hub name (online)
     # builtin | files, globs, directories (.jsonl / .json / .parquet / .arrow / .txt) | 'a.jsonl:0.7,b/*.parquet:0.3'
     # (mixture weights) | a store made by `hfscale data prepare`. In a recipe YAML also a mapping:
@@ -111,6 +113,9 @@ class TrainConfig:
         self.levers.check(self.seq_len, self.checkpointing)
         self.adapter_spec  # noqa: B018 - validated here, with the rest
         self.data_options  # noqa: B018 - validated here, with the rest
+        from .recipe import refuse_unsupported
+
+        refuse_unsupported(self)  # a setting this config's recipe cannot honour: one line, never ignored
 
     @property
     def data_options(self):
@@ -147,6 +152,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class QATRecipeConfig(TrainConfig):
     """recipes/qat_clm.py: fine-tune a trained checkpoint (`model`) against a quantization grid."""
+    recipe: ClassVar[str] = "qat_clm"
     scheme: str = "8da4w"  # a QAT scheme of hfscale.compress.schemes (8da4w, int4wo, q4_0)
     group_size: int = 32  # input columns per scale; 0 = per-channel (torchao schemes)
     include_embeddings: bool = False  # q4_0: the tied embedding / head on the grid too (GGUF --embed-qtype Q4_0)
@@ -168,16 +174,10 @@ class QATRecipeConfig(TrainConfig):
             raise ConfigError(f"distill must be in [0, 1] (got {self.distill}): the weight of the teacher's KL term")
         if self.lora_rank < 0 or not self.temperature > 0:
             raise ConfigError("lora_rank must be >= 0 and temperature > 0")
-        if self.adapter != "none":
-            raise ConfigError(f"qat_clm trains LoRA on the fake-quantized base with --lora-rank N (got adapter "
-                              f"{self.adapter}); drop adapter / --adapter")
-        if self.attention:  # train_clm applies it; this recipe's model keeps its own kernel
-            raise ConfigError(f"qat_clm runs the model's own attention kernel (got attention {self.attention}); drop "
-                              "attention / --attention (recipes/train_clm.py applies it)")
 
     @property
     def adapter_spec(self):
-        """None here: qat_clm applies its LoRA itself (compress.qat.add_lora_, through hfscale.scale.adapters)."""
+        """None here: qat_clm applies its own LoRA (--lora-rank: compress.qat.lora_spec, through hfscale.train.prepare)."""
         from ..scale.adapters import AdapterSpec
 
         return AdapterSpec()

@@ -25,6 +25,7 @@ every tensor per rank and gives the replicated run's losses. A ZeRO-3 student wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..util.errors import ConfigError, HfscaleError
 from .config import TrainConfig
@@ -36,6 +37,7 @@ TEACHER_PLACEMENTS = {"replicated": "a full frozen copy on every rank",
 @dataclass(frozen=True)
 class DistillRecipeConfig(TrainConfig):
     """recipes/distill_clm.py: train `model` (the student, e.g. `hfscale prune`'s output) on `teacher`."""
+    recipe: ClassVar[str] = "distill_clm"
     teacher: str = ""  # transformers dir (or built-in name) with the same vocabulary as `model`
     temperature: float = 1.0
     ce_weight: float = 0.0  # weight of next-token cross-entropy on the data; the KL term gets 1 - ce_weight
@@ -49,12 +51,6 @@ class DistillRecipeConfig(TrainConfig):
             raise ConfigError(f"ce_weight must be in [0, 1) (got {self.ce_weight}): the KL term gets 1 - ce_weight")
         if not self.temperature > 0:
             raise ConfigError(f"temperature must be > 0 (got {self.temperature})")
-        if self.adapter != "none":  # its recipe builds the student in full; an adapter would be silently ignored
-            raise ConfigError(f"distill_clm trains the whole student (got adapter {self.adapter}); drop --adapter, "
-                              "or fine-tune with adapters in recipes/train_clm.py")
-        if self.attention:  # train_clm applies it; student and teacher keep their own kernel here
-            raise ConfigError(f"distill_clm runs the models' own attention kernel (got attention {self.attention}); "
-                              "drop attention / --attention (recipes/train_clm.py applies it)")
         if self.teacher_placement not in TEACHER_PLACEMENTS:
             raise ConfigError(f"teacher_placement {self.teacher_placement!r} not understood; use one of "
                               + ", ".join(f"{k} ({v})" for k, v in TEACHER_PLACEMENTS.items()))

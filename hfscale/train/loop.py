@@ -1,5 +1,5 @@
-"""The pieces both recipes (train_clm.py, qat_clm.py) run: pre-flight, launch, the step loop, and
-evaluation. The recipes stay readable scripts that say *what* happens in which order; this module
+"""The pieces every recipe (train_clm.py, qat_clm.py, distill_clm.py) runs: pre-flight, launch, the step loop, and
+evaluation (their `main` is hfscale.train.recipe's, their model builder hfscale.train.prepare). The recipes stay readable scripts that say *what* happens in which order; this module
 holds *how*, once.
 
 The step loop: every optimizer step reads `accum` micro batches per rank, chosen as a pure function
