@@ -942,9 +942,10 @@ def test_zero3_qlora_keeps_the_nf4_base_bit_for_bit_in_every_checkpoint(tmp_path
     fp32: hfscale.scale.adapters.nf4_storage) and partitioned by DeepSpeed; its packed weights (the checkpoint's
     frozen fragments) and quantization state (the module entries) bit for bit as a base quantized with the run's
     dtypes, in both checkpoints; the adapter gathered whole, reloaded on that base to the live eval, merged into the
-    fp32 base. QLoRA was refused here while the check compared with a base quantized from fp32 into uint8 storage
-    (other NF4 codes: all 28 weights 'moved'). Its step-2 checkpoint resumed on 1 rank (universal) followed the
-    uninterrupted losses by hand (docs/adapters.md); in the suite the DoRA test above resumes ZeRO-3 adapters 2 -> 1."""
+    fp32 base. QLoRA was refused here while the check compared the NF4 weights with torch.equal (their bf16 bit
+    patterns include NaNs: unequal even to a copy) and with a base quantized from fp32 into uint8 storage (other NF4
+    codes): all 28 weights 'moved'. Its step-2 checkpoint resumed on 1 rank (universal) followed the
+    uninterrupted losses by hand (docs/adapters.md); in the suite the ZeRO-3 DoRA test below resumes adapters 2 -> 1."""
     import torch
 
     out = tmp_path / "run"
