@@ -818,7 +818,8 @@ def fresh_adapter_model(kind: str, nf4=None):
 
 
 def checkpoint_frozen(ckpt: Path) -> dict:
-    """The frozen (non-adapter) tensors a checkpoint holds: DDP's model.safetensors, FSDP2's DCP shards, or ZeRO-3's
+    """The frozen (non-adapter) tensors a checkpoint holds: DDP's model.safetensors, FSDP2's DCP shards, ZeRO-1/2's
+    module (mp_rank_00_model_states.pt), or ZeRO-3's
     frozen parameter fragments of every rank joined to their shapes plus its module entries that hold data (an NF4
     base's quantization state: absmax, nested absmax, quant_map, the packed state; every rank holds all of it, and
     the same) (DeepSpeed's model_states files)."""
@@ -835,6 +836,9 @@ def checkpoint_frozen(ckpt: Path) -> dict:
         (ckpt.parent / f"{ckpt.name}.pt").unlink()
         return {k: v for k, v in state.items() if "lora_" not in k}
     files = sorted((ckpt / "pytorch_model").glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))
+    if not files:  # ZeRO-1/2: the module whole, once (in the engine's dtype)
+        module = torch.load(ckpt / "pytorch_model" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        return {k: v for k, v in module.items() if "lora_" not in k}
     states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
     shapes = states[0]["frozen_param_shapes"]
     held = [{k: v for k, v in s["module"].items() if torch.is_tensor(v) and v.numel() and "lora_" not in k} for s in states]
