@@ -358,8 +358,9 @@ def same_bits(a, b) -> bool:
     dtype (ZeRO-3 / FSDP2's bf16 / fp32 storage): their bit patterns include NaNs, which torch.equal never calls equal."""
     import torch
 
-    flat = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(flat(a), flat(b))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def qlora_dtypes(precision: str, zero_stage: int | None, fsdp: bool):
