@@ -273,11 +273,11 @@ def report(results: dict) -> str:
                   "its decoder linears as NF4) or the analytic terms (adapters under FSDP2, whose traced rules cover full "
                   "fine-tuning only). ZeRO-3 full (+17.6%) and FSDP2 full (+3.2%) are the planner's full fine-tuning "
                   "rules at this size (backward gradients / temporaries over-counted), not adapter terms. QLoRA under "
-                  "ZeRO-3 failed in the profile worker (it loaded the NF4 base without DeepSpeed's sharded init); the "
-                  "recipe refuses QLoRA under ZeRO-3 and FSDP2 (hfscale.scale.adapters.qlora_dtypes: the frozen NF4 "
-                  "weights moved between ZeRO-3 checkpoints; uint8 storage under FSDP2 trains to NaN, accelerate "
-                  "#3983), and the profile worker now follows it: the FSDP2 QLoRA row ran before that, with fp32 "
-                  "storage, and is shown for its memory only. tokens/s: both ranks' tokens over the mean step after the first, under the "
+                  "ZeRO-3 failed in the profile worker (it wrote the built-in base's weights under zero.Init: empty "
+                  "partitions; fixed since, the row not re-measured: hfscale profile runs it on the tiny model); the "
+                  "recipe refuses QLoRA under FSDP2 (uint8 storage trains to NaN, accelerate #3983; its ZeRO-3 "
+                  "refusal was a wrong check, docs/adapters.md), and the profile worker follows it: the FSDP2 QLoRA row "
+                  "ran before that, with fp32 storage, and is shown for its memory only. tokens/s: both ranks' tokens over the mean step after the first, under the "
                   "tracker, on a host shared with other jobs (compare within a column with care).", "",
                   "| engine | kind | measured peak MiB (rank 0 / 1) | planned MiB | plan error | x full | tokens/s |",
                   "|---|---|---|---|---|---|---|"]

@@ -143,7 +143,7 @@ def build_base(cfg, spec, pre, accelerator):
     by every rank to a directory of its own and loaded from there: under ZeRO-3 zero.Init would draw another random
     init than build_model, the base the adapter is merged into at the end, and transformers quantizes (QLoRA: NF4
     decoder linears, stored as hfscale.scale.adapters.qlora_dtypes says) on from_pretrained only. Loads run under
-    ZeRO-3's zero.Init (partitioned); ZeRO-3 and FSDP2 QLoRA are refused before this (check_adapter)."""
+    ZeRO-3's zero.Init (partitioned); FSDP2 QLoRA is refused before this (check_adapter)."""
     import tempfile
 
     from hfscale.models import build_model

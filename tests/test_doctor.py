@@ -396,41 +396,40 @@ def test_adapter_traps_fire_on_bad_and_not_on_good(code, bad, good):
 FSDP2_ACC = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text())
 
 
-@pytest.mark.parametrize("bad, good", [
-    (Setup(deepspeed=ds(), args={"adapter": {"kind": "qlora"}, "bf16": True}),
-     Setup(deepspeed=ds(DS2), args={"adapter": {"kind": "qlora"}, "bf16": True})),
-    (Setup(accelerate=FSDP2_ACC, args={"adapter": "qlora"}), Setup(accelerate=FSDP2_ACC, args={"adapter": "lora"})),
-])
-def test_doctor_refuses_the_recipes_qlora_where_the_recipe_does(bad, good):
-    # recipes/train_clm.py refuses QLoRA under ZeRO-3 and FSDP2 (scale.adapters.qlora_dtypes raises from the table
-    # engine_refusal reads); doctor reads the same table from the files before a launch and says the same line
+def test_doctor_refuses_the_recipes_qlora_where_the_recipe_does():
+    # recipes/train_clm.py refuses QLoRA under FSDP2 (scale.adapters.qlora_dtypes raises from the table engine_refusal
+    # reads); doctor reads the same table from the files before a launch and says the same line
     from hfscale.scale.adapters import qlora_dtypes
     from hfscale.util.errors import ConfigError
 
+    bad, good = Setup(accelerate=FSDP2_ACC, args={"adapter": "qlora"}), Setup(accelerate=FSDP2_ACC, args={"adapter": "lora"})
     found = [f for f in check_setup(bad) if f.code == "adapter-engine-refused"]
     assert len(found) == 1 and found[0].severity == "error" and "adapter-engine-refused" not in codes(good)
-    assert "qlora-zero3-storage" not in codes(bad)  # no storage fix offered: the recipe refuses whatever the storage
     with pytest.raises(ConfigError) as refused:
-        qlora_dtypes("bf16", 3 if bad.deepspeed else None, bad.accelerate is not None)
-    assert f"{found[0].what}; {found[0].fix}" == str(refused.value) and "ddp.yaml or zero2.yaml" in found[0].fix
+        qlora_dtypes("bf16", None, True)
+    assert f"{found[0].what}; {found[0].fix}" == str(refused.value) and "ddp.yaml, zero2.yaml or zero3.yaml" in found[0].fix
+    # under ZeRO-3 the recipe runs QLoRA and picks its storage itself (qlora_dtypes): neither refused nor a storage fix
+    for args in ({"adapter": {"kind": "qlora"}, "bf16": True}, {"adapter": "qlora"}):
+        assert not {"adapter-engine-refused", "qlora-zero3-storage"} & codes(Setup(deepspeed=ds(), args=args))
     # a user's own Trainer (TRL keys) under ZeRO-3 with the storage peft asks for is not the recipe: not refused
     assert "adapter-engine-refused" not in codes(Setup(deepspeed=ds(), args={"use_peft": True, "load_in_4bit": True,
                                                                            "bf16": True, "bnb_4bit_quant_storage": "bfloat16"}))
 
 
-def test_doctor_reads_the_recipes_qlora_under_zero3_from_the_shipped_files(tmp_path):
+def test_doctor_reads_the_recipes_qlora_engine_from_the_shipped_files(tmp_path):
     recipe = tmp_path / "train.yaml"  # the recipe YAML's adapter section, as `plan --write` writes it
     recipe.write_text(yaml.safe_dump({"model": "tiny-gemma3", "adapter": {"kind": "qlora", "rank": 8}}))
-    found = check(accelerate=ROOT / "accelerate_configs" / "zero3.yaml", args=recipe)
+    found = check(accelerate=ROOT / "accelerate_configs" / "fsdp2.yaml", args=recipe)
     assert [f.where for f in found if f.code == "adapter-engine-refused"] == [f"{recipe}:adapter"], found
-    ok = check(accelerate=ROOT / "accelerate_configs" / "zero2.yaml", args=recipe)
-    assert "adapter-engine-refused" not in {f.code for f in ok}
+    for ok in ("zero2.yaml", "zero3.yaml"):
+        assert "adapter-engine-refused" not in {f.code for f in check(accelerate=ROOT / "accelerate_configs" / ok, args=recipe)}
 
 
 def test_recipe_adapter_keys_reach_doctor():
     # what loop.run_doctor adds for the recipe's adapter: the section, the NF4 storage the recipe loads its base with
-    # (hfscale.scale.adapters.qlora_dtypes: uint8 where it runs QLoRA; under ZeRO-3 the recipe refuses QLoRA, so no
-    # storage is claimed and doctor's adapter-engine-refused names it) and its non-reentrant checkpointing
+    # (hfscale.scale.adapters.qlora_dtypes: uint8 under DDP / ZeRO-2, the model's dtype under ZeRO-3; under FSDP2 the
+    # recipe refuses QLoRA, so no storage is claimed and doctor's adapter-engine-refused names it) and its
+    # non-reentrant checkpointing
     from types import SimpleNamespace
 
     from hfscale.scale.adapters import AdapterSpec
@@ -445,9 +444,9 @@ def test_recipe_adapter_keys_reach_doctor():
     assert "adapter-reentrant-frozen" not in codes(Setup(args={**base, **keys}))
     zero3 = SimpleNamespace(deepspeed=ds(), fsdp=False)
     keys3 = _doctor_adapter_keys(AdapterSpec("qlora", rank=8), zero3, "bf16")
-    assert "bnb_4bit_quant_storage" not in keys3
-    # the recipe refuses QLoRA under ZeRO-3 whatever the storage: doctor says that line, not a storage fix
-    assert {"adapter-engine-refused"} <= codes(Setup(deepspeed=ds(), args={"bf16": True, **keys3})) and \
-        "qlora-zero3-storage" not in codes(Setup(deepspeed=ds(), args={"bf16": True, **keys3}))
+    assert keys3["bnb_4bit_quant_storage"] == "bfloat16"  # ZeRO-3 shards one dtype: the packed bytes in the model's
+    assert not {"adapter-engine-refused", "qlora-zero3-storage"} & codes(Setup(deepspeed=ds(), args={"bf16": True, **keys3}))
+    fsdp2 = SimpleNamespace(deepspeed=None, fsdp=True)
+    assert "bnb_4bit_quant_storage" not in _doctor_adapter_keys(AdapterSpec("qlora", rank=8), fsdp2, "bf16")
     assert _doctor_adapter_keys(AdapterSpec("none"), zero3, "bf16") == {} and _doctor_adapter_keys(None, zero3, "bf16") == {}
     assert _doctor_adapter_keys({"kind": "lora"}, SimpleNamespace(deepspeed=None), "fp32")["adapter"]["rank"] == 16

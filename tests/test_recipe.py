@@ -19,6 +19,7 @@ import pytest
 
 from hfscale.util.atomic import STAGE_PREFIX
 from hfscale.util.errors import ConfigError
+from hfscale.scale.adapters import qlora_dtypes, same_bits
 from hfscale.scale.checkpointing import checkpointed_layers, resolve
 from hfscale.testing.aligned import load_owned
 from hfscale.data.sampler import plan_batch, rank_indices
@@ -731,31 +732,20 @@ def test_zero3_2_to_1_to_2_ranks(tmp_path):
 
 
 @pytest.mark.engine
-def test_ddp_2_to_1_rank(tmp_path, four_formats):
-    """DDP holds the whole state on every rank: 2 ranks -> 1 loads as it is, same rows per step. On the four-format
-    mixture (chat among them), so this is also the packed chat run resumed 2 -> 1 that reads exactly the
-    uninterrupted run's rows, and the 2-rank reference shows the recipe trains each format, saves and reloads under
-    DDP (MULTI_CPU)."""
-    CHAT = four_formats
+def test_ddp_trains_four_formats_saves_and_reloads(tmp_path, four_formats):
+    """Under DDP (MULTI_CPU, 2 ranks) the recipe trains each format of the four-format mixture (chat among them), saves
+    and reloads. Its 1-rank resume launch went to the ZeRO-3 QLoRA test: DDP 2 -> 1 (the state whole on every rank,
+    the same rows) is now the DDP DoRA kill -9 test's resume; the same rows after a change of rank count on this
+    mixture: ZeRO-2 (test_zero2_fallback_2_to_1_sigusr1_then_1_to_2) and ZeRO-3 (test_zero3_2_to_1_to_2_ranks)."""
     ref = tmp_path / "ref"
-    _, log = launch("ddp.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "2", *CHAT, fault=f"record@{tmp_path}")
+    _, log = launch("ddp.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "2", *four_formats,
+                    fault=f"record@{tmp_path}")
     # each source rendered / masked by its own format, bfd-packed rows (issue 36)
     assert re.search(r"train: \d+ examples, [\d,]+ tokens, [\d,]+ trained \(\d+\.\d%\), truncated 0 / dropped \d+ / "
                      r"split \d+", log)
-    assert_trains_four_formats(log, CHAT[1], tmp_path)
+    assert_trains_four_formats(log, four_formats[1], tmp_path)
     assert_trained_saved_reloads(ref, log, "MULTI_CPU", steps=6, keep=2, every=2,  # step 2's checkpoint removed
-                                 data={"data": CHAT[1], "overflow": "split"})
-    (tmp_path / "indices.jsonl").rename(tmp_path / "ref_indices.jsonl")
-    out = tmp_path / "run"
-    shutil.copytree(ref / "checkpoints" / "step_00000004", out / "checkpoints" / "step_00000004")
-    _, log = launch("ddp.yaml", out, "--max-steps", "6", "--save-every", "2", "--resume", "latest", *CHAT, procs=1,
-                    fault=f"record@{tmp_path}")
-    assert "at step 4 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
-    assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), (5, 6))
-    mine = read_indices(tmp_path)
-    (tmp_path / "indices.jsonl").unlink()
-    (tmp_path / "ref_indices.jsonl").rename(tmp_path / "indices.jsonl")
-    assert sorted(mine) == [5, 6] and all(mine[s] == read_indices(tmp_path)[s] for s in mine)
+                                 data={"data": four_formats[1], "overflow": "split"})
 
 
 @pytest.fixture
@@ -841,21 +831,23 @@ def assert_export_matches_zero_to_fp32(ckpt: Path, out: Path) -> None:
 ADAPTER = ["--lora-rank", "8", "--lr", "1e-2", "--max-steps", "4", "--save-every", "2", "--keep-last", "2"]
 
 
-def fresh_adapter_model(kind: str, quantized: bool):
-    """The recipe's model as it starts (seed 0): the base (NF4 for QLoRA, fp32 compute) with the adapter on it."""
-    import torch
-
+def fresh_adapter_model(kind: str, nf4=None):
+    """The recipe's model as it starts (seed 0): the base with the adapter on it; for QLoRA (`nf4`: the run's (compute,
+    storage) dtypes, hfscale.scale.adapters.qlora_dtypes) the NF4 base quantized as the run quantized it: from
+    weights in the compute dtype, packed in the storage dtype (another pair gives other NF4 codes and scales)."""
     from hfscale.models import build_model
     from hfscale.scale.adapters import AdapterSpec, apply_adapter, load_quantized_base
 
-    base = load_quantized_base("tiny-gemma3", torch.float32, torch.uint8, device_map="cpu") if quantized else \
-        build_model("tiny-gemma3", seed=0)
+    base = load_quantized_base("tiny-gemma3", *nf4, device_map="cpu") if nf4 else build_model("tiny-gemma3", seed=0)
     return apply_adapter(base, AdapterSpec(kind, rank=8))
 
 
 def checkpoint_frozen(ckpt: Path) -> dict:
-    """The frozen (non-adapter) tensors a checkpoint holds: DDP's model.safetensors, FSDP2's DCP shards, or ZeRO-3's
-    frozen parameter fragments of every rank joined to their shapes (DeepSpeed's model_states files)."""
+    """The frozen (non-adapter) tensors a checkpoint holds: DDP's model.safetensors, FSDP2's DCP shards, ZeRO-1/2's
+    module (mp_rank_00_model_states.pt), or ZeRO-3's
+    frozen parameter fragments of every rank joined to their shapes plus its module entries that hold data (an NF4
+    base's quantization state: absmax, nested absmax, quant_map, the packed state; every rank holds all of it, and
+    the same) (DeepSpeed's model_states files)."""
     import torch
     from safetensors.torch import load_file
 
@@ -869,15 +861,21 @@ def checkpoint_frozen(ckpt: Path) -> dict:
         (ckpt.parent / f"{ckpt.name}.pt").unlink()
         return {k: v for k, v in state.items() if "lora_" not in k}
     files = sorted((ckpt / "pytorch_model").glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))
+    if not files:  # ZeRO-1/2: the module whole, once (in the engine's dtype)
+        module = torch.load(ckpt / "pytorch_model" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        return {k: v for k, v in module.items() if "lora_" not in k}
     states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
     shapes = states[0]["frozen_param_shapes"]
-    return {k: torch.cat([s["frozen_param_fragments"][k].flatten() for s in states])[: shape.numel()].view(shape)
-            for k, shape in shapes.items()}
+    held = [{k: v for k, v in s["module"].items() if torch.is_tensor(v) and v.numel() and "lora_" not in k} for s in states]
+    assert all(h.keys() == held[0].keys() and all(torch.equal(h[k], held[0][k]) for k in h) for h in held)
+    return {**held[0], **{k: torch.cat([s["frozen_param_fragments"][k].flatten() for s in states])[: shape.numel()]
+                          .view(shape) for k, shape in shapes.items()}}
 
 
-def assert_adapter_run(out: Path, log: str, kind: str, quantized: bool = False):
+def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
     """What an adapter run of the recipe must show: the loss falls; the frozen base in both checkpoints equals the
-    base the run started from, bit for bit (the adapters alone moved); OUTPUT_DIR/adapter holds every adapter tensor
+    base the run started from, bit for bit (the adapters alone moved; QLoRA, `nf4` = the run's (compute, storage)
+    dtypes: the packed NF4 weights and their quantization state, in their own dtype); OUTPUT_DIR/adapter holds every adapter tensor
     of every decoder linear with its full shape and reloads with peft to the live final eval loss; OUTPUT_DIR/model
     (merged into the unquantized base) computes what base + adapter compute."""
     import torch
@@ -891,12 +889,15 @@ def assert_adapter_run(out: Path, log: str, kind: str, quantized: bool = False):
     final = read_records(out / "metrics.jsonl", "eval")[4]["loss"]
     assert final < eval_loss_of(build_model("tiny-gemma3", seed=0)) - 0.02  # measured 8.33 -> 8.28 (ZeRO-3 LoRA)
 
-    fresh = fresh_adapter_model(kind, quantized)
+    fresh = fresh_adapter_model(kind, nf4)
     start = {k: v for k, v in fresh.state_dict().items() if "lora_" not in k}
     for step in (2, 4):
         saved = checkpoint_frozen(out / "checkpoints" / f"step_{step:08d}")
         assert set(saved) <= set(start) and len(saved) >= len([k for k in start if k.endswith("weight")]) - 1
-        moved = [k for k, v in saved.items() if not torch.equal(v, start[k].to(v.dtype))]  # DeepSpeed bf16: a cast
+        # DeepSpeed bf16: the unquantized weights cast; NF4 weights (and their state) are bytes, compared as bytes
+        # (never cast; bf16 / fp32 storage holds NaN bit patterns, which torch.equal calls unequal to themselves)
+        moved = [k for k, v in saved.items() if not (same_bits(v, start[k]) if nf4 and ".base_layer.weight" in k
+                                                     else torch.equal(v, start[k].to(v.dtype)))]
         assert moved == [], moved[:3]
 
     expected = {}  # every adapter tensor of every decoder linear, with its full shape
@@ -912,7 +913,7 @@ def assert_adapter_run(out: Path, log: str, kind: str, quantized: bool = False):
 
     # reloaded on the base it trained on (QLoRA: the NF4 one): the live eval (bf16 under DeepSpeed, autocast under
     # DDP) against fp32 here; the full-model runs measured |delta| <= 5e-5, a wrong or partial adapter moves it > 0.05
-    live_base = fresh_adapter_model("none", quantized) if quantized else build_model("tiny-gemma3", seed=0)
+    live_base = fresh_adapter_model("none", nf4) if nf4 else build_model("tiny-gemma3", seed=0)
     reloaded = PeftModel.from_pretrained(live_base, out / "adapter")
     assert abs(eval_loss_of(reloaded) - final) < 2e-3
 
@@ -939,7 +940,7 @@ def test_ddp_qlora_trains_the_adapter_alone_and_merges_into_the_unquantized_base
     _, log = launch("ddp.yaml", out, "--adapter", "qlora", *ADAPTER)
     assert "QLoRA r8 (alpha 16): 135,168 trained" in log and "DistributedType.MULTI_CPU world 2" in log
     assert "checkpointed layers [0, 2]" in log  # non-reentrant checkpointing on a frozen base: no input grads needed
-    assert_adapter_run(out, log, "qlora", quantized=True)
+    assert_adapter_run(out, log, "qlora", nf4=qlora_dtypes(_launch_precision(), None, False))  # fp32 / uint8
 
     # the merged model reaches the edge unchanged: the CLI's GGUF path (hfscale quantize --format gguf --qtype Q8_0 is
     # this call: export_gguf, llama.cpp's check deciding; reload=False skips transformers' optional second GGUF reader)
@@ -962,6 +963,30 @@ def test_ddp_qlora_trains_the_adapter_alone_and_merges_into_the_unquantized_base
                                                               "up_proj", "down_proj")]
     assert len(linears) == 4 * 7 and all(not torch.equal(merged[k], base[k]) for k in linears)  # the adapter is in it
     assert all(torch.equal(merged[k], base[k]) for k in merged if k not in linears)  # and nothing else moved
+
+
+@pytest.mark.engine
+def test_zero3_qlora_keeps_the_nf4_base_bit_for_bit_in_every_checkpoint(tmp_path):
+    """QLoRA under ZeRO-3 (2 ranks): the NF4 base packed in the run's dtype (bf16, or fp32 where precision auto is
+    fp32: hfscale.scale.adapters.nf4_storage) and partitioned by DeepSpeed; its packed weights (the checkpoint's
+    frozen fragments) and quantization state (the module entries) bit for bit as a base quantized with the run's
+    dtypes, in both checkpoints; the adapter gathered whole, reloaded on that base to the live eval, merged into the
+    fp32 base. QLoRA was refused here while the check compared the NF4 weights with torch.equal (their bf16 bit
+    patterns include NaNs: unequal even to a copy) and with a base quantized from fp32 into uint8 storage (other NF4
+    codes): all 28 weights 'moved'. Its step-2 checkpoint resumed on 1 rank (universal) followed the
+    uninterrupted losses by hand (docs/adapters.md); in the suite the ZeRO-3 DoRA test below resumes adapters 2 -> 1."""
+    import torch
+
+    out = tmp_path / "run"
+    _, log = launch("zero3.yaml", out, "--adapter", "qlora", *ADAPTER)
+    assert "QLoRA r8 (alpha 16): 135,168 trained" in log and "DistributedType.DEEPSPEED world 2" in log
+    nf4 = qlora_dtypes(_launch_precision(), 3, False)
+    assert nf4[1] == nf4[0] == {"bf16": torch.bfloat16, "fp32": torch.float32}[_launch_precision()]
+    saved = checkpoint_frozen(out / "checkpoints" / "step_00000004")
+    q = saved["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    assert q.dtype == nf4[1] and q.numel() * q.element_size() == 192 * 192 // 2  # 4 bits a weight, in the storage dtype
+    assert len([k for k in saved if k.endswith(".absmax")]) == 28  # the quantization state is in the checkpoint
+    assert_adapter_run(out, log, "qlora", nf4=nf4)
 
 
 def assert_adapter_only_states(ckpt: Path, trained: int, tensors: int) -> dict:
@@ -1043,25 +1068,32 @@ def test_zero3_dora_trains_saves_and_resumes_on_1_rank(tmp_path):
 
 
 @pytest.mark.engine
-def test_ddp_dora_survives_kill_9_and_resumes_on_the_uninterrupted_trajectory(tmp_path):
+def test_ddp_dora_survives_kill_9_and_resumes_on_1_rank_on_the_uninterrupted_trajectory(tmp_path):
     """DoRA under DDP (2 ranks): rank 1 SIGKILLed after step 4 (both ranks' step 4 logged, its checkpoint never
-    written), then `--resume latest` on 2 ranks from step 2 redoes steps 3 and 4 bit for bit as the killed run ran
-    them uninterrupted (restored adapter weights, Adam moments of the adapter alone, RNG, data position), and the
-    resumed run passes every adapter check. Full fine-tuning's kill -9 resumes: ZeRO-2 (kill during a save, above),
-    FSDP2 (kill after a step, above)."""
-    out = tmp_path / "run"
-    rc, log = launch("ddp.yaml", out, "--adapter", "dora", *ADAPTER, fault="kill@step:4:1", check=False)
+    written), then `--resume latest` on 1 rank from step 2 (DDP 2 -> 1: the state is whole on every rank, loaded as it
+    is; accumulation re-derived) redoes steps 3 and 4 on the killed run's trajectory and rows (restored adapter
+    weights, Adam moments of the adapter alone, RNG, data position), and the resumed run passes every adapter check.
+    Resumed on 2 ranks (before the ZeRO-3 QLoRA launch took this file's DDP 2 -> 1 launch) it redid them bit for bit
+    (|delta| = 0.0); same-rank resumes after a kill: ZeRO-2 (kill during a save, above, 1e-6), FSDP2 (kill after a
+    step, above)."""
+    out, killed_rows, resumed_rows = tmp_path / "run", tmp_path / "killed", tmp_path / "resumed"
+    killed_rows.mkdir()
+    resumed_rows.mkdir()
+    rc, log = launch("ddp.yaml", out, "--adapter", "dora", *ADAPTER, fault=f"kill@step:4:1,record@{killed_rows}", check=False)
     assert rc != 0
     assert "DoRA r8 (alpha 16): 144,384 trained" in log and "DistributedType.MULTI_CPU world 2" in log
     killed = read_records(out / "metrics.jsonl")
     assert sorted(killed) == [1, 2, 3, 4]
     assert [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(STAGE_PREFIX)] == ["step_00000002"]
     assert not (out / "adapter").exists() and not (out / "model").exists()
-    _, log = launch("ddp.yaml", out, "--adapter", "dora", *ADAPTER, "--resume", "latest")
-    assert "at step 2" in log
-    resumed = read_records(out / "metrics.jsonl")
-    # DDP, same ranks: the same fp32 sums in the same order; measured |delta| = 0.0, 1e-6 leaves kernel-order noise only
-    assert all(abs(resumed[s]["loss"] - killed[s]["loss"]) < 1e-6 for s in (3, 4)), (resumed, killed)
+    _, log = launch("ddp.yaml", out, "--adapter", "dora", *ADAPTER, "--resume", "latest", procs=1,
+                    fault=f"record@{resumed_rows}")
+    assert "at step 2 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
+    assert "2 micro × 4 accum × 1 ranks × 64 = 512 tokens/step" in log
+    # 1 rank sums the same micro batches in another order: measured |delta| = 0.0 (steps 3, 4); RESHAPE_TOL as every reshape
+    assert_follows(read_records(out / "metrics.jsonl"), killed, (3, 4))
+    mine, theirs = read_indices(resumed_rows), read_indices(killed_rows)
+    assert sorted(mine) == [3, 4] and all(mine[s] == theirs[s] for s in mine)  # the same rows, none twice or skipped
     assert_adapter_run(out, log, "dora")
     print("DDP DoRA checkpoint bytes:", assert_adapter_only_states(out / "checkpoints" / "step_00000004", 144_384, 84))
 

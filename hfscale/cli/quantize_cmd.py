@@ -186,7 +186,7 @@ def _run_ptq(args) -> int:
 
 
 def quantize_and_save(src: str, spec, out, force: bool, calibration, verify: bool, tokenizer, source_name: str) -> dict:
-    """Quantize, save atomically (before any forward: see ptq.keep_bnb_layout_), then reload and compare."""
+    """Quantize, save atomically (before any forward: see scale.adapters.keep_bnb_layout_), then reload and compare."""
     import torch
 
     from ..compress.ptq import quantize_model, quantized_bytes_in_memory

@@ -69,21 +69,10 @@ def quantize_model(src: str, spec: QuantSpec, calibration=None, dtype=None, prog
 
         raise HfscaleError(_not_found(src, e)) from None
     if spec.info.library == "bitsandbytes":
+        from ..scale.adapters import keep_bnb_layout_
+
         keep_bnb_layout_(model)
     return model.eval()
-
-
-def keep_bnb_layout_(model) -> int:
-    """Measured trap (bitsandbytes 0.50, CPU with AVX512-BF16): the first forward of a Linear4bit repacks
-    its weight bytes in place for a CPU kernel, and the inverse run by `save_pretrained` does not restore
-    them - the saved NF4 model's logits were 2.46 off the float model instead of 0.19. Keeping the
-    portable layout (the same kernel-free path bitsandbytes takes on other CPUs) makes save/reload exact."""
-    n = 0
-    for m in model.modules():
-        if hasattr(m, "support_avx512bf16_for_cpu"):
-            m.support_avx512bf16_for_cpu = False
-            n += 1
-    return n
 
 
 def quantized_bytes_in_memory(model) -> int:

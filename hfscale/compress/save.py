@@ -57,8 +57,7 @@ def differing_tensors(a, b) -> int:
     are reported beside it, but with dynamic activation quantization (8da4w) they are not a bitwise test: the GEMM
     on a reloaded (differently aligned) copy can differ in the last float bit, which may flip one int8 activation
     rounding and move a logit by ~1e-3 (5.8e-3 seen on a CI host, 0.0 here)."""
-    import torch
-
+    from ..scale.adapters import same_bits
     from .ptq import plain_parts
 
     def flat(model) -> dict:
@@ -70,12 +69,7 @@ def differing_tensors(a, b) -> int:
         x, y = fa[k], fb[k]
         if isinstance(x, str) or isinstance(y, str):
             differ += x != y
-        elif x.dtype != y.dtype or x.shape != y.shape or not torch.equal(_bits(x), _bits(y)):
+        elif not same_bits(x, y):
             differ += 1
     return differ
 
-
-def _bits(t):
-    import torch
-
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)

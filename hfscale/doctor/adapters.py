@@ -13,7 +13,7 @@ The traps (issue 37; ../shared/ANCHORS.md "Adapters"):
   adapter-gemma4-clippable   Gemma 4's vision / audio towers hold Gemma4ClippableLinear (not an nn.Linear) under
                              the decoder's names (q_proj, gate_proj, ...): peft rejects them (peft #3129)
   qlora-fsdp2-storage        a 4-bit base under FSDP2 stored as uint8 trains to loss 0 / NaN (accelerate #3983)
-  adapter-engine-refused     the recipe's `adapter: qlora` under ZeRO-3 or FSDP2, which recipes/train_clm.py refuses
+  adapter-engine-refused     the recipe's `adapter: qlora` under FSDP2, which recipes/train_clm.py refuses
                              (hfscale.scale.adapters.engine_refusal: the table the recipe raises from)
 Run on CPU: tests/test_doctor.py (each with a failing and a passing input).
 """

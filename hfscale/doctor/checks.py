@@ -319,7 +319,7 @@ def quantized_zero3(s: Setup) -> Iterator[Finding]:
     if zero_stage(s) != 3:
         return
     a = s.args or {}
-    # the recipe's own `adapter: qlora` under ZeRO-3 is refused whatever the storage: adapters.adapter_engine_refused
+    # the recipe's own `adapter: qlora` under ZeRO-3 loads its base with the storage it needs (scale.adapters.qlora_dtypes)
     if _quantized_4bit(s) and not isinstance(a.get("adapter") if isinstance(a, dict) else None, (dict, str)):
         storage = get(a, "bnb_4bit_quant_storage")
         if storage is MISSING:

@@ -79,7 +79,7 @@ def quant_storage(engine: str, precision: str) -> str:
     """For a user's own Trainer (TRL keys): the dtype bitsandbytes stores a 4-bit base in on `engine` (zero3 | fsdp2 |
     other), by the one rule hfscale.scale.adapters.nf4_storage (the model's dtype where parameters are sharded as
     one dtype, uint8 elsewhere). hfscale's own recipe loads its base by the same rule (qlora_dtypes), and refuses
-    QLoRA under ZeRO-3 / FSDP2 (scale.adapters.QLORA_REFUSED, measured; doctor's adapter-engine-refused)."""
+    QLoRA under FSDP2 (scale.adapters.QLORA_REFUSED, measured; doctor's adapter-engine-refused)."""
     from ..scale.adapters import nf4_storage
 
     return nf4_storage(precision, 3 if engine == "zero3" else None, engine == "fsdp2")

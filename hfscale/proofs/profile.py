@@ -42,17 +42,21 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _model(args, precision: str, engine: str, zero: int | None, rank: int = 0):
+def _model(args, precision: str, engine: str, zero: int | None, accelerator):
     """The model as the recipe trains it: built-in weights (seeded), the adapter applied; QLoRA's base loaded in NF4
     with the dtypes the recipe uses (hfscale.scale.adapters.qlora_dtypes). `zero`: DeepSpeed's stage, None without."""
     from ..models.builtin import build_model
     from ..scale.adapters import AdapterSpec, apply_adapter, load_quantized_base, qlora_dtypes
+    from ..scale.runtime import without_zero_init
 
     spec = AdapterSpec(args.adapter, rank=args.lora_rank)
-    if spec.base_bits == 4:  # the recipe's dtypes, and its refusals (ZeRO-3, FSDP2) in one line
+    if spec.base_bits == 4:  # the recipe's dtypes, and its refusal (FSDP2) in one line
         dtype, storage = qlora_dtypes(precision, zero, engine == "fsdp2")
-        scratch = Path(args.out) / f"qlora_base_rank{rank}"  # the seeded weights written once, then quantized
-        model = load_quantized_base(args.model, dtype, storage, seed=0, scratch=scratch)
+        scratch = Path(args.out) / f"qlora_base_rank{accelerator.process_index}"  # the seeded weights, then quantized
+        # whole on this rank (ZeRO-3's zero.Init would write empty partitions as the weights); DeepSpeed partitions
+        # the quantized model in prepare, as in the recipe (build_base)
+        with without_zero_init(accelerator):
+            model = load_quantized_base(args.model, dtype, storage, seed=0, scratch=scratch)
         shutil.rmtree(scratch, ignore_errors=True)
     else:
         model = build_model(args.model, seed=0)
@@ -74,7 +78,7 @@ def run(args) -> RankProfile:
     set_deepspeed_micro_batch(accelerator, args.micro_batch)
     config = load_config(args.model)
     engine = "fsdp2" if accelerator.is_fsdp2 else "other"
-    model, spec = _model(args, choice.precision, engine, _zero_stage(accelerator), accelerator.process_index)
+    model, spec = _model(args, choice.precision, engine, _zero_stage(accelerator), accelerator)
     apply_checkpointing_(model, args.checkpointing, launched.fsdp_checkpoints_all)
     optimizer = make_optimizer(accelerator, model, lr=1e-4, adamw=args.adamw)
     model, optimizer = accelerator.prepare(model, optimizer)

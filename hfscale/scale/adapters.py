@@ -313,13 +313,15 @@ def bnb_config(compute_dtype, storage_dtype):
 
 # the engines hfscale's recipe refuses a 4-bit base on: engine -> (what happened here, the way out). Read by
 # engine_refusal: the recipe raises it before any process group (qlora_dtypes -> check_engine), hfscale doctor reports
-# it from the config files before a run (adapter-engine-refused).
+# it from the config files before a run (adapter-engine-refused). ZeRO-3 is not here: its frozen NF4 base stays bit
+# for bit in every checkpoint (tests/test_recipe.py, ZeRO-3 QLoRA). It was refused because the frozen NF4 weights
+# "differed between checkpoints", which was the check's own error, twice: (1) packed 4-bit codes stored as bf16 / fp32
+# are bit patterns, some of them NaN (442 of the tiny Gemma 3's 552,960 bf16 elements), so torch.equal calls each of
+# the 28 NF4 weights unequal even to its own copy: compare their bytes (same_bits); (2) its reference base was
+# quantized from fp32 into uint8 storage, the run quantizes from bf16 into bf16 (qlora_dtypes): other NF4 codes.
 QLORA_REFUSED = {
     "fsdp2": ("a 4-bit (QLoRA) base under FSDP2 has not run here (uint8 storage trains to loss 0 / NaN, accelerate #3983)",
-              "launch with accelerate_configs/ddp.yaml or zero2.yaml, or use --adapter lora under FSDP2"),
-    "zero3": ("a 4-bit (QLoRA) base under ZeRO-3 changed during training here (bitsandbytes 0.50, DeepSpeed 0.19, CPU: "
-              "the packed NF4 weights of the frozen base differed between checkpoints)",
-              "launch with accelerate_configs/ddp.yaml or zero2.yaml, or use --adapter lora under ZeRO-3"),
+              "launch with accelerate_configs/ddp.yaml, zero2.yaml or zero3.yaml, or use --adapter lora under FSDP2"),
 }
 
 def engine_of(zero_stage: int | None, fsdp: bool) -> str:
@@ -351,12 +353,22 @@ def nf4_storage(precision: str, zero_stage: int | None, fsdp: bool) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
 
 
+def same_bits(a, b) -> bool:
+    """Whether two tensors hold the same bytes (dtype and shape too). The way to compare NF4 weights stored in a float
+    dtype (ZeRO-3 / FSDP2's bf16 / fp32 storage): their bit patterns include NaNs, which torch.equal never calls equal."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
 def qlora_dtypes(precision: str, zero_stage: int | None, fsdp: bool):
     """(compute dtype, storage dtype) of an NF4 base for a launch: DeepSpeed casts its module to the run's 16-bit
     dtype, so there the non-quantized weights are in it (elsewhere fp32, autocast computing in 16 bits); the storage
-    is nf4_storage's. ZeRO-3 and FSDP2 are refused (QLORA_REFUSED, check_engine): one line naming the way out.
-    ZeRO-3 ran (2 CPU ranks, bf16 storage, zero.Init) and trained, but the frozen NF4 weights moved between its
-    checkpoints (measured, tests/test_adapters.py's refusal names it), so it is refused rather than trusted."""
+    is nf4_storage's. FSDP2 is refused (QLORA_REFUSED, check_engine): one line naming the way out. The base is
+    quantized from weights in the compute dtype, so its NF4 codes and scales are those of these dtypes: a reference
+    base for a run's checkpoints must be loaded with the same pair (ZeRO-3 bf16: bf16 / bf16; DDP: fp32 / uint8)."""
     import torch
 
     check_engine(AdapterSpec("qlora"), zero_stage, fsdp)
@@ -391,7 +403,25 @@ def load_quantized_base(name_or_path: str, compute_dtype, storage_dtype, seed: i
 
             shutil.rmtree(tmp, ignore_errors=True)
     model.config.name_or_path = name_or_path
+    keep_bnb_layout_(model)
     return model
+
+
+def keep_bnb_layout_(model) -> int:
+    """Keeps every bitsandbytes 4-bit layer of `model` in the portable layout (the kernel-free path bitsandbytes takes
+    on CPUs without AVX512-BF16); returns how many layers. Measured trap (bitsandbytes 0.50, CPU with AVX512-BF16):
+    Linear4bit.forward in eval mode under no_grad (the first evaluation, or the first forward of a PTQ model) repacks
+    its weight in place into a [N, K/2] layout with the scales dequantized and rounded to bf16 (double quantization
+    dropped), and keeps it; the inverse that save_pretrained runs does not restore it. PTQ: the saved NF4 model's logits
+    were 2.46 off the float model instead of 0.19. QLoRA (tiny Gemma 3): after one evaluation its training logits
+    moved by up to 0.014 and the next checkpoint held other absmax / nested absmax in all 28 linears. Read by
+    load_quantized_base and hfscale.compress.ptq; idempotent."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False  # read only by that repack (Linear4bit.forward)
+            n += 1
+    return n
 
 
 def write_weights(model, directory) -> Path:

@@ -150,7 +150,7 @@ def _doctor_adapter_keys(adapter, launch, precision: str) -> dict:
         return {}
     out = {"adapter": spec.to_dict(), "gradient_checkpointing_kwargs": {"use_reentrant": False}}
     if spec.base_bits == 4:  # the storage the recipe loads its NF4 base with (scale.adapters.qlora_dtypes, which
-        # refuses ZeRO-3 / FSDP2 in one line itself: then doctor gets no storage key)
+        # refuses FSDP2 in one line itself: then doctor gets no storage key)
         from ..scale.adapters import qlora_dtypes
         from ..util.errors import ConfigError
 
