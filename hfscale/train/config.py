@@ -30,6 +30,9 @@ class TrainConfig:
     # the attention kernel: unset = the model's own (the tiny models: eager); varlen = hfscale.models.varlen (packed
     # documents attend within themselves without an L x L mask, any device) | sdpa | eager | flash_attention_2 | _3
     attention: str | None = None
+    # each micro batch as ONE row of its real tokens, no padding (hfscale.data.dataset's padding-free layout,
+    # DataCollatorWithFlattening / TRL's padding_free): only with attention varlen or flash_attention_2 / _3
+    padding_free: bool = False
     seq_len: int = 128
     global_batch_tokens: int = 8192  # tokens per optimizer step over all ranks
     micro_batch: int = 4  # sequences per rank per forward pass
@@ -108,6 +111,9 @@ class TrainConfig:
         if self.attention is not None and self.attention not in ATTENTION:
             raise ConfigError(f"attention {self.attention!r} not understood; use one of {', '.join(ATTENTION)} "
                               "(or leave it unset for the model's own kernel)")
+        from ..data.dataset import check_padding_free
+
+        check_padding_free(self.padding_free, self.attention)
         self.levers.check(self.seq_len, self.checkpointing)
         self.adapter_spec  # noqa: B018 - validated here, with the rest
         self.data_options  # noqa: B018 - validated here, with the rest
@@ -159,6 +165,7 @@ class QATRecipeConfig(TrainConfig):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self):
+        train_clm_only(self, "qat_clm")
         super().__post_init__()
         from ..compress.qat import as_spec
         from ..compress.schemes import QuantSpec
@@ -181,6 +188,14 @@ class QATRecipeConfig(TrainConfig):
         from ..scale.adapters import AdapterSpec
 
         return AdapterSpec()
+
+
+def train_clm_only(cfg: TrainConfig, recipe: str) -> None:
+    """Refuse, before the base checks, what only recipes/train_clm.py applies (its padding-free layout needs its
+    attention kernel), so the recipes that run the model's own kernel do not send the user to set attention first."""
+    if cfg.padding_free:
+        raise ConfigError(f"{recipe} reads packed rows of seq_len under the model's own attention kernel; padding_free "
+                          "(one row per micro batch, attention: varlen) is recipes/train_clm.py's: drop padding_free")
 
 
 def fields_of(cls=TrainConfig) -> dict:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..util.errors import ConfigError, HfscaleError
-from .config import TrainConfig
+from .config import TrainConfig, train_clm_only
 
 TEACHER_PLACEMENTS = {"replicated": "a full frozen copy on every rank",
                       "zero3": "partitioned over the ranks by its own DeepSpeed ZeRO-3 engine (needs a DeepSpeed launch)"}
@@ -42,6 +42,7 @@ class DistillRecipeConfig(TrainConfig):
     teacher_placement: str = "replicated"  # replicated | zero3 (TEACHER_PLACEMENTS)
 
     def __post_init__(self):
+        train_clm_only(self, "distill_clm")
         super().__post_init__()
         if not self.teacher:
             raise ConfigError("distillation needs a teacher: set teacher: (the unpruned model's directory) or --teacher DIR")
