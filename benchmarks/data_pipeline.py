@@ -287,7 +287,9 @@ def run_d(results: dict) -> None:
                      "loads": [round(g["load"], 1) for t in old for g in t["rounds"]],
                      "flat": {str(t["seq_len"]): t["flat"]["thread_s"]["median"] for t in old}})
     results["d_host"] = f"{host()}, niceness {os.nice(0)}"
+    t0, c0 = time.perf_counter(), time.process_time()
     results["d"] = bench_throughput()
+    results["d"]["took"] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     runs.append(summary(results["d"], results["d_host"], when))
     print(json.dumps(runs[-1]), flush=True)

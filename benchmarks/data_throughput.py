@@ -146,7 +146,7 @@ def bench_throughput(n_docs: int = 128, seq_lens=(512, 1024), batch: int = 4, ro
 
 def summary(res: dict, host: str, when: str) -> dict:
     """One line of the run history: what ran, and the padding-free median per seq_len."""
-    return {"when": when, "host": host, "docs": res["docs"]["docs"], "rounds": len(res["rounds"]),
+    return {"when": when, "host": host, "docs": res["docs"]["docs"], "rounds": len(res["rounds"]), "took": res.get("took"),
             "loads": [round(g["load"], 1) for g in res["rounds"]],
             "flat": {L: r["vs"]["flat"]["thread_s"]["median"] for L, r in res["seq_lens"].items() if "flat" in r["vs"]}}
 
@@ -222,10 +222,12 @@ def d_report(r: dict) -> list[str]:
     if runs:
         lines += ["Every run of (d) so far (padding-free vs padded, thread CPU medians; the layout before this "
                   "benchmark used the data layer's collator was built inside the benchmark):", "",
-                  "| when | host | conversations | rounds | load after each round | padding-free vs padded |",
-                  "|---|---|---:|---:|---|---|"]
+                  "| when | host | conversations | rounds | took: wall / process CPU | load after each round | "
+                  "padding-free vs padded |", "|---|---|---:|---:|---|---|---|"]
         for s in runs:
-            lines.append(f"| {s['when']} | {s['host']} | {s['docs']} | {s['rounds']} | {', '.join(map(str, s['loads']))} | "
+            took = s.get("took")
+            took = f"{took['wall_s'] / 60:.1f} / {took['cpu_s'] / 60:.1f} min" if took else "not recorded"
+            lines.append(f"| {s['when']} | {s['host']} | {s['docs']} | {s['rounds']} | {took} | {', '.join(map(str, s['loads']))} | "
                          + ", ".join(f"{x:.2f}x at {L}" for L, x in s["flat"].items()) + " |")
         lines.append("")
     return lines
