@@ -9,9 +9,9 @@
     hfscale.data.corpus.packed_blocks in one process) at the smaller size; the store's bytes per token.
 (c) packing efficiency (real tokens / token slots) of bfd / wrapped / none on the built-in chat set (lengths
     from 30 to ~1,000 tokens), beside TRL's `pack_dataset` (bfd and wrapped) on the same token lists.
-(d) trained tokens per second, forward + backward of the tiny model: packed padding-free rows (bfd, documents
-    separated by position ids) vs per-example rows padded to the batch's longest, same documents, same order;
-    the packed rows both under sdpa's block-diagonal mask and under hfscale's varlen kernel (hfscale.models.varlen).
+(d) trained tokens per second, forward + backward of the tiny model: the recipe's padding-free layout (bfd rows,
+    each micro batch one row, hfscale.models.varlen) vs per-example rows padded to the micro batch's longest (sdpa),
+    same conversations, both from the data layer's stores and collator (benchmarks/data_throughput.py).
 
     python benchmarks/data_pipeline.py [--mb 40,400] [--skip-old]     (TRL for (c): pip install trl)
 """
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # data_throughput: (d)
 OUT = ROOT / "benchmarks" / "results" / "data_pipeline.md"
 PY = sys.executable
 
@@ -221,98 +222,6 @@ def bench_packing(seq_len: int = 1024) -> dict:
     return out
 
 
-def bench_throughput(n_docs: int = 48, seq_len: int = 1024, batch: int = 4, rounds: int = 5) -> dict:
-    """The same documents (the chat set's first n_docs), forward + backward, trained tokens per second, measured to
-    survive a shared host: one torch thread, the passes interleaved (round k runs packed, padded, varlen when k is
-    even, the reverse when odd), each pass timed by wall clock, process CPU and this thread's CPU (the one doing the
-    work with one torch thread); the ratio per round, then the median over the rounds. `packed`: bfd rows under
-    sdpa (transformers' block-diagonal mask); `varlen`: the same rows under hfscale.models.varlen; `padded`: one
-    example per row, sdpa."""
-    import statistics
-
-    import numpy as np
-    import torch
-
-    from hfscale.data import PackedCollator
-    from hfscale.data.formats import Tok, data_tokenizer, encode
-    from hfscale.data.packing import pack
-    from hfscale.data.sources import BUILTIN_CHAT, Unit, builtin_files, records
-    from hfscale.models import build_model
-    from hfscale.models.varlen import register
-
-    torch.set_num_threads(1)
-    tok = Tok.of(data_tokenizer("tiny-gemma3"))
-    encs = []
-    for w, r in records(Unit(0, str(builtin_files(BUILTIN_CHAT)["train"]))):
-        e = encode(r, "messages", tok, "assistant", w)
-        encs.append((e.ids[:seq_len], e.mask[:seq_len]))
-        if len(encs) == n_docs:
-            break
-
-    def row(docs):
-        ids, labels, pos = [], [], []
-        for i, m in docs:
-            lab = [t if k else -100 for t, k in zip(i, m)]
-            lab[0] = -100
-            ids += i
-            labels += lab
-            pos += list(range(len(i)))
-        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "position_ids": torch.tensor(pos)}
-
-    packed = pack(np.array([len(i) for i, _ in encs]), seq_len, "bfd")
-    packed_rows = [row([encs[d] for d, _, _ in packed.segments[packed.row_ptr[r]:packed.row_ptr[r + 1]].tolist()])
-                   for r in range(packed.rows)]
-    # flat: each micro batch's packed rows as ONE row of its real tokens (no padding at all; DataCollatorWithFlattening's
-    # layout), only for the varlen kernel (under a mask its attention would cost (batch x seq_len)^2)
-    flat_rows = [row([encs[d] for d, _, _ in packed.segments[packed.row_ptr[r]:packed.row_ptr[min(r + batch, packed.rows)]].tolist()])
-                 for r in range(0, packed.rows, batch)]
-    passes = {"packed": (packed_rows, PackedCollator(seq_len), "sdpa", batch),
-              "padded": ([row([e]) for e in encs], PackedCollator(pad_to="longest"), "sdpa", batch),
-              "varlen": (packed_rows, PackedCollator(seq_len), register(), batch),
-              "flat": (flat_rows, PackedCollator(pad_to="longest"), register(), 1)}
-    model = build_model("tiny-gemma3")
-    model.config.use_cache = False  # packed rows: transformers builds the per-document mask only without a cache
-
-    def run(name):
-        rows, collator, kernel, per = passes[name]
-        model.set_attn_implementation(kernel)
-        trained, slots = 0, 0
-        t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
-        for i in range(0, len(rows), per):
-            b = collator(rows[i:i + per])
-            trained += int((b["labels"][:, 1:] != -100).sum())
-            slots += b["input_ids"].numel()
-            model(**b).loss.backward()
-            model.zero_grad(set_to_none=True)
-        return {"trained": trained, "slots": slots, "wall_s": time.perf_counter() - t0,
-                "cpu_s": time.process_time() - c0, "thread_s": time.thread_time() - h0}
-
-    for name in passes:  # warm-up: allocator, kernels
-        run(name)
-    log = []
-    for k in range(rounds):
-        order = list(passes) if k % 2 == 0 else list(passes)[::-1]
-        got = {name: run(name) for name in order}
-        got["load"] = os.getloadavg()[0]
-        log.append(got)
-        print(f"(d) seq_len {seq_len} round {k}: " + ", ".join(f"{n} {got[n]['thread_s']:.2f}" for n in passes)
-              + f" s (thread CPU), load {got['load']:.1f}", flush=True)
-    assert len({g[n]["trained"] for g in log for n in passes}) == 1  # the same trained tokens in every pass, every round
-    res = {"rounds": log, "n_docs": n_docs, "seq_len": seq_len, "batch": batch, "threads": torch.get_num_threads(),
-           "trained": log[0]["packed"]["trained"], "rows": {n: len(passes[n][0]) for n in passes},
-           "slots": {n: log[0][n]["slots"] for n in passes}, "real_tokens": packed.tokens}
-    # equal trained tokens: a tokens/s ratio is the baseline's time / the pass's time
-    for key, (num, den) in {"packed": ("padded", "packed"), "varlen": ("padded", "varlen"), "flat": ("padded", "flat"),
-                            "varlen_vs_packed": ("packed", "varlen")}.items():
-        res[key] = {}
-        for clock in ("wall_s", "cpu_s", "thread_s"):
-            ratios = [g[num][clock] / g[den][clock] for g in log]
-            res[key][clock] = {"ratios": ratios, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-    res["median_s"] = {n: {clock: statistics.median(g[n][clock] for g in log) for clock in ("wall_s", "cpu_s", "thread_s")}
-                       for n in passes}
-    return res
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", default="40,400", help="corpus sizes in MB for (b); the first also for (a)")
@@ -332,8 +241,7 @@ def main() -> int:
         return only_merge(args)
     if args.only_d:
         results = json.loads(OUT.with_suffix(".json").read_text())
-        results["d_host"] = host()
-        results["throughput"] = [bench_throughput(seq_len=512), bench_throughput(seq_len=1024)]
+        run_d(results)
         OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
         OUT.write_text(report(results))
         print(f"wrote {OUT}")
@@ -357,12 +265,34 @@ def main() -> int:
             import shutil
 
             shutil.rmtree(d)
-    results["throughput"] = [bench_throughput(seq_len=512), bench_throughput(seq_len=1024)]
-    print(json.dumps(results["throughput"]), flush=True)
+    run_d(results)
     (OUT.with_suffix(".json")).write_text(json.dumps(results, indent=1))
     OUT.write_text(report(results))
     print(f"wrote {OUT}")
     return 0
+
+
+def run_d(results: dict) -> None:
+    """(d) into `results`, its summary appended to the run history (`d_runs`; an earlier layout's results, built
+    inside this benchmark, become its first lines)."""
+    import datetime
+
+    from data_throughput import bench_throughput, summary
+
+    runs = results.setdefault("d_runs", [])
+    old = results.pop("throughput", [])  # before the data layer's padding-free collator: one result per seq_len
+    if old:
+        runs.append({"when": "earlier (the benchmark's own flat rows, seq_lens run one after the other)",
+                     "host": results.get("d_host", ""), "docs": old[0]["n_docs"], "rounds": len(old[0]["rounds"]),
+                     "loads": [round(g["load"], 1) for t in old for g in t["rounds"]],
+                     "flat": {str(t["seq_len"]): t["flat"]["thread_s"]["median"] for t in old}})
+    results["d_host"] = f"{host()}, niceness {os.nice(0)}"
+    t0, c0 = time.perf_counter(), time.process_time()
+    results["d"] = bench_throughput()
+    results["d"]["took"] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    runs.append(summary(results["d"], results["d_host"], when))
+    print(json.dumps(runs[-1]), flush=True)
 
 
 def only_merge(args) -> int:
@@ -602,68 +532,6 @@ def b_large_report(r: dict) -> list[str]:
     return lines
 
 
-D_PASSES = {"packed": "packed rows, sdpa (block-diagonal mask)", "varlen": "packed rows, varlen kernel",
-            "flat": "padding-free (each micro batch one row), varlen kernel", "padded": "padded per example, sdpa"}
-
-
-def d_report(r: dict) -> list[str]:
-    t0 = r["throughput"][0]
-    if "varlen" not in t0:  # an older results file
-        return ["(d) not rerun with the varlen kernel."]
-    lines = [f"How it was measured (rerun `--only-d` at nice 10, {r.get('d_host', r['host'])}): the chat set's first "
-             f"{t0['n_docs']} conversations (each truncated to seq_len), forward + backward of the tiny Gemma 3 (fp32, "
-             f"`use_cache=False`; 3 of its 4 layers slide a 64-token window), **one torch thread**, micro batch "
-             f"{t0['batch']} rows. Four passes over the same documents, all holding the same trained tokens (asserted): "
-             "**packed** bfd rows of seq_len under sdpa, documents kept apart by transformers' block-diagonal mask "
-             "built from the position ids; **varlen** the same rows under hfscale's varlen kernel "
-             "(`hfscale.models.varlen`: causal sdpa per group of similar-length documents, no L x L mask); **flat** each "
-             "micro batch's packed rows as one row of its real tokens, no padding at all (DataCollatorWithFlattening's "
-             "layout), varlen kernel; **padded** one conversation per row padded to the micro batch's longest, sdpa. "
-             f"The passes are interleaved, {len(t0['rounds'])} rounds (packed, padded, varlen, flat, then the reverse, "
-             "...), each timed by wall clock, process CPU time and the working thread's CPU time (`time.thread_time`: "
-             "with one torch thread the compute runs on it, so time the host gave other jobs is not counted); per round "
-             "the ratio padded time / pass time (= the pass's trained tokens/s over padded's), then the **median over "
-             "the rounds**.", ""]
-    for t in r["throughput"]:
-        lines += [f"### seq_len {t['seq_len']}: {t['trained']:,} trained tokens of {t['real_tokens']:,} real; token slots: "
-                  + ", ".join(f"{n} {t['slots'][n]:,} ({t['rows'][n]} rows)" for n in ("packed", "flat", "padded")), "",
-                  "| pass | thread CPU s (median) | trained tokens/s | vs padded, per round (thread CPU) | **median** | "
-                  "process CPU median | wall median |", "|---|---:|---:|---|---:|---:|---:|"]
-        for n, what in D_PASSES.items():
-            sec = t["median_s"][n]["thread_s"]
-            if n == "padded":
-                lines.append(f"| {what} | {sec:.2f} | {t['trained'] / sec:,.0f} | (baseline) | 1.00x | | |")
-                continue
-            v = t[n]
-            lines.append(f"| {what} | {sec:.2f} | {t['trained'] / sec:,.0f} | "
-                         f"{', '.join(f'{x:.2f}' for x in v['thread_s']['ratios'])} | **{v['thread_s']['median']:.2f}x** | "
-                         f"{v['cpu_s']['median']:.2f}x | {v['wall_s']['median']:.2f}x |")
-        vp = t["varlen_vs_packed"]["thread_s"]
-        loads = ", ".join(f"{g['load']:.1f}" for g in t["rounds"])
-        lines += ["", f"varlen over packed (same rows, the kernel alone): {vp['median']:.2f}x median "
-                  f"({vp['min']:.2f}-{vp['max']:.2f}). Load average after each round: {loads} (2 cores).", ""]
-    met = [t["seq_len"] for t in r["throughput"] if t["flat"]["thread_s"]["median"] >= 1.5]
-    missed = [t["seq_len"] for t in r["throughput"] if t["seq_len"] not in met]
-    verdict = ("met at every seq_len" if not missed else "not met" if not met else
-               f"met at {', '.join(map(str, met))}, not at {', '.join(map(str, missed))}")
-    got = "; ".join(f"{t['flat']['thread_s']['median']:.2f}x flat, {t['varlen']['thread_s']['median']:.2f}x varlen, "
-                    f"{t['packed']['thread_s']['median']:.2f}x packed at {t['seq_len']}" for t in r["throughput"])
-    bound = ", ".join(f"{t['slots']['padded'] / t['real_tokens']:.2f}x at {t['seq_len']}" for t in r["throughput"])
-    base = ", ".join(f"{t['median_s']['padded']['thread_s']:.2f} s at {t['seq_len']}" for t in r["throughput"])
-    real = " vs ".join(f"{t['real_tokens']:,}" for t in r["throughput"])
-    lines += [f"**Target >= 1.5x (padding-free vs padded): {verdict}** on this host (CPU, the tiny model, thread CPU "
-              f"time): {got}. Padded holds {bound} the real tokens in its slots. Under sdpa's block mask a packed row still "
-              "pays its whole L x L attention through the masked CPU kernel, so packing alone gains little (nothing at "
-              "1024); the varlen kernel computes each document's own causal block (and, for documents of >= 3 windows, "
-              "only the keys the 64-token window shows), so the packed rows then cost about what their slots cost, and "
-              "the flat layout drops the rows' trailing padding too. What remains is the per-slot work of the MLPs, the "
-              "4,096-id LM head and the loss, the same per token in every pass. The padded baseline holds nearly the same "
-              f"batches at both seq_lens (real tokens {real}) and took {base} of thread CPU: the load (other jobs on the 2 cores) moves these times by "
-              "several percent, as much as the margin to 1.5x, so read the two seq_lens together as ~1.45-1.6x, not as "
-              "a robust pass. flash-attention's own varlen kernel (CUDA) was not run.", ""]
-    return lines
-
-
 def report(r: dict) -> str:
     p, a = r["packing"], r["prepare"]
     lines = ["# Data pipeline (issue 36)", "",
@@ -714,6 +582,8 @@ def report(r: dict) -> str:
     lines += ["", f"bfd on 1,000,000 random lengths (20-{p['seq_len']}): {p['bfd_1m_seconds']:.1f} s, "
               f"efficiency {p['bfd_1m_efficiency']:.2%}.", "",
               "## (d) trained tokens per second, packed padding-free vs padded per example", ""]
+    from data_throughput import d_report
+
     lines += d_report(r)
     return "\n".join(lines)
 

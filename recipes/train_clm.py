@@ -63,6 +63,9 @@ def check_parallel(cfg, pre):
         from hfscale.models.varlen import check_attention
 
         check_attention(cfg.attention, pre.model_config)
+    from hfscale.data.dataset import check_padding_free
+
+    check_padding_free(cfg.padding_free, cfg.attention, parallel.sp)  # one row per micro batch: not under SP
     if parallel.sp > 1 and cfg.attention == "varlen":
         from hfscale.util.errors import HfscaleError
 
@@ -98,7 +101,7 @@ def train(cfg, force, pre, parallel, store) -> int:
     tokenizer = data.tokenizer  # the model's, with the built-in chat template for the tiny model (saved with it)
     # step s, micro a, rank r: the sampler's rows as one packed micro batch; the step's loss divides by its
     # trained-token count over every micro batch and rank, read from the store (no communication)
-    rows = run_rows(store, plan, cfg.seed, cfg.max_train_blocks, cfg.eval_blocks)
+    rows = run_rows(store, plan, cfg.seed, cfg.max_train_blocks, cfg.eval_blocks, cfg.padding_free)
     train_rows, reader, val_batches, val_rows = rows.train, rows.reader, rows.val, rows.val.dataset
 
     # --- model: the base (NF4 for QLoRA); attention, checkpointing, the levers, the adapter, SP, AdamW, prepared ---
@@ -110,6 +113,7 @@ def train(cfg, force, pre, parallel, store) -> int:
               + (f" ({spec.describe()}: {run.trained:,} trained)" if spec.enabled else "") + ", "
               f"{len(train_rows):,} train / {len(val_rows)} eval rows, checkpointed layers {run.layers or 'none'}, "
               f"AdamW {run.adamw}" + (f", attention {cfg.attention}" if cfg.attention else "")
+              + (", padding-free (one row per micro batch)" if cfg.padding_free else "")
               + (f"; {', '.join(run.applied)}" if run.applied else ""))
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)

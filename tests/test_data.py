@@ -202,6 +202,15 @@ def test_step_reader_counts_what_the_loss_sums_over(chat_store):
         batches = [reader.batch(step, a, r) for a in range(plan.accum) for r in range(plan.world)]
         assert all((b["labels"][:, 0] == -100).all() for b in batches)  # the contract: nothing predicts a row's first
         assert reader.trained(step) == sum(int(trained_tokens(b["labels"])) for b in batches) > 0
+    # padding-free (a recipe's padding_free: true): each micro batch one row of its rows' real tokens, the same count
+    flat = StepReader(ds, plan, 5, PackedCollator(padding_free=True))
+    for step in (0, 7):
+        for a in range(plan.accum):
+            b, f = reader.batch(step, a, 1), flat.batch(step, a, 1)
+            lengths = [len(ds[int(i)]["input_ids"]) for i in rank_indices(plan, len(ds), 5, step, a, 1)]
+            real = torch.arange(128)[None] < torch.tensor(lengths)[:, None]  # each row's tokens before its padding
+            assert f["input_ids"].shape == (1, int(real.sum())) and torch.equal(f["input_ids"][0], b["input_ids"][real])
+            assert torch.equal(f["labels"][0], b["labels"][real]) and trained_tokens(f["labels"]) == trained_tokens(b["labels"])
     val = MicroBatches(ds, 3)
     assert len(val) == 14 and val[13]["input_ids"].shape[0] == 1  # 13 x 3 + 1 rows
     assert torch.equal(torch.cat([val[j]["input_ids"] for j in range(len(val))]),

@@ -105,6 +105,10 @@ CASES = [
     ("adamw-not-planned", Setup(args={"seq_len": 128, "adamw": "forloop"}), Setup(args={"seq_len": 128})),
     ("adamw-not-planned", Setup(deepspeed=ds(optimizer={"type": "AdamW", "params": {"torch_adam": True}})),
      Setup(deepspeed=ds(zero_optimization__offload_optimizer={"device": "cpu"}, optimizer={"type": "AdamW"}))),
+    # TRL's SFTConfig(padding_free=True) / a recipe's padding_free: one row per batch needs a varlen kernel
+    ("padding-free-attention", Setup(args={"padding_free": True, "attn_implementation": "sdpa"}),
+     Setup(args={"padding_free": True, "attn_implementation": "flash_attention_2"})),
+    ("padding-free-attention", Setup(args={"padding_free": True}), Setup(args={"padding_free": True, "attention": "varlen"})),
 ]
 
 

@@ -8,6 +8,7 @@ reloaded and merged, the checkpoints' optimizer state the adapter's alone."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -187,7 +188,9 @@ def test_bad_input_one_line_exit_2(tmp_path, extra, env, needle):
 
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
-    """A real 2-step run in one process: the checkpoint the resume-refusal tests need."""
+    """A real 2-step run in one process: the checkpoint the resume-refusal tests need. Padding-free under the varlen
+    kernel (each micro batch one row of its real tokens: the recipe's `padding_free: true`), which a resume refusal
+    does not depend on."""
     from hfscale.data.corpus import load_text
 
     base = tmp_path_factory.mktemp("single")
@@ -196,9 +199,13 @@ def one_process_run(tmp_path_factory):
     ds["validation"].to_parquet(str(base / "val.parquet"))
     out = base / "run"
     r = run_recipe("--config", TINY_YAML, "--output-dir", out, *FAST, "--max-steps", "2", "--save-every", "2",
-                   "--data", base / "train.jsonl", "--validation", base / "val.parquet")
+                   "--data", base / "train.jsonl", "--validation", base / "val.parquet", "--attention", "varlen",
+                   "--padding-free", "true")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "1 ranks × 64 = 512 tokens/step" in r.stdout
+    assert "attention varlen, padding-free (one row per micro batch)" in r.stdout
+    steps = read_records(out / "metrics.jsonl")
+    assert sorted(steps) == [1, 2] and all(x["trained_tokens"] > 0 and math.isfinite(x["loss"]) for x in steps.values())
     assert "AdamW fused" in r.stdout  # the start line names the implementation the plan traces
     return out
 

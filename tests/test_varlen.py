@@ -138,6 +138,39 @@ def test_cross_boundary_attention_is_caught(model, runs):
         assert (trapped[b, s:s + len(r)] - r).abs().max() < LOGIT_TOL
 
 
+def test_padding_free_layout_equals_padded_rows(model):
+    """The data layer's padding-free collator (a recipe's `padding_free: true`): ROWS' two rows as one row of their
+    470 real tokens give the padded rows' loss (hfscale.models.loss.lm_loss: the sum over trained tokens / the step's
+    count, as the recipes call it) and gradients under the varlen kernel, from the same trained-token count; the
+    tolerances are this module's (the same documents in the same kernel groups, GEMMs over [1, 470] instead of
+    [2, 256] tokens: fp32 sum order only). The same flat row with its positions counting straight through (the
+    documents attending to the ones before them) is far outside them, so the comparison can fail."""
+    from hfscale.data import PackedCollator
+    from hfscale.models.documents import check_packed_batch
+    from hfscale.models.loss import lm_loss, trained_tokens
+
+    batch = packed_batch()
+    rows = [{k: v[b, :sum(docs)] for k, v in batch.items()} for b, docs in enumerate(ROWS)]  # the store's rows
+    padded, flat = PackedCollator(L)(rows), PackedCollator(padding_free=True)(rows)
+    assert all(torch.equal(padded[k], batch[k]) for k in batch)
+    assert flat["input_ids"].shape == (1, 470) and torch.equal(flat["labels"][0], torch.cat([r["labels"] for r in rows]))
+    check_packed_batch(flat)
+    n = trained_tokens(padded["labels"])
+    assert trained_tokens(flat["labels"]) == n > 400
+    naive = {**flat, "position_ids": torch.arange(470)[None]}
+    set_attention_(model, "varlen")
+    got = {}
+    for name, b in (("padded", padded), ("flat", flat), ("naive", naive)):
+        model.zero_grad(set_to_none=True)
+        loss = lm_loss(model, b, n)
+        loss.backward()
+        got[name] = loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+    (loss, grads), (ref, ref_grads), (bad, bad_grads) = got["flat"], got["padded"], got["naive"]
+    assert abs(loss - ref) / ref < 1e-6 and grad_diff(grads, ref_grads) < GRAD_TOL
+    # measured: flat vs padded loss equal to the bit, gradients 1.7e-7; the naive row 9.0e-4 (loss) and 0.96 (gradients)
+    assert abs(bad - ref) / ref > 100 * 1e-6 and grad_diff(bad_grads, ref_grads) > 100 * GRAD_TOL
+
+
 def reference(q, k, v, position_ids, window=None, scaling=None, softcap=None):
     """Attention written out: the block-diagonal causal (and windowed) mask of hfscale.models.documents."""
     rep = q.shape[1] // k.shape[1]
@@ -215,6 +248,27 @@ def test_recipe_setting():
     assert TrainConfig(attention="varlen").attention == "varlen" and TrainConfig().attention is None
     with pytest.raises(ConfigError, match="use one of varlen, sdpa"):
         TrainConfig(attention="flash")
+
+
+def test_padding_free_setting_needs_a_varlen_kernel_and_no_sp():
+    """`padding_free: true` (TrainConfig, through load_recipe's coercion) only with a kernel that keeps one row's
+    documents apart without a mask; refused under Ulysses SP and by the recipes that run the model's own kernel."""
+    from hfscale.data.dataset import check_padding_free
+    from hfscale.train.config import QATRecipeConfig, TrainConfig, load_recipe
+    from hfscale.train.distill import DistillRecipeConfig
+    from hfscale.util.errors import ConfigError
+
+    assert load_recipe(None, {"padding_free": "true", "attention": "varlen"}).padding_free is True
+    assert TrainConfig().padding_free is False
+    for attention, needle in ((None, "under the model's own attention"), ("sdpa", "under attention sdpa")):
+        with pytest.raises(ConfigError, match=f"{needle} .* set attention: varlen"):
+            TrainConfig(padding_free=True, attention=attention)
+    check_padding_free(True, "flash_attention_2")
+    with pytest.raises(ConfigError, match="cannot run under Ulysses SP"):
+        check_padding_free(True, "flash_attention_2", sp=2)
+    for make, recipe in ((QATRecipeConfig, "qat_clm"), (lambda **kw: DistillRecipeConfig(teacher="t", **kw), "distill_clm")):
+        with pytest.raises(ConfigError, match=f"{recipe} reads packed rows of seq_len"):
+            make(padding_free=True)
 
 
 def test_attention_choices_a_model_or_host_cannot_run_are_refused_before_training():

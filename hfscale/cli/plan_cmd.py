@@ -52,7 +52,8 @@ def add_parser(sub):
                    "forloop: torch's default on CPU)")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="sdpa/flash (default) or eager")
     p.add_argument("--packing", action="store_true", help="rows packed with several documents each (hfscale data "
-                   "--packing): counts the block-diagonal attention mask sdpa / eager get (flash varlen builds none)")
+                   "--packing): counts the block-diagonal attention mask sdpa / eager get (flash varlen and hfscale's "
+                   "varlen kernel, padding-free or not, build none: plan those without it)")
     p.add_argument("--adapter", default="none", choices=list(ADAPTER_KINDS),
                    help="train an adapter on a frozen base, as the recipe's adapter section does (peft on every decoder "
                    "q/k/v/o/gate/up/down; qlora: NF4 base through bitsandbytes); none = full fine-tuning")

@@ -13,6 +13,13 @@ The batch contract (what every consumer of a packed batch reads; nothing else is
 - `position_ids` Long[B, L]: 0, 1, ... restarting at every document; padding after a row's last document is
   one more run from 0 (a dummy document whose labels are all -100). Documents start exactly where
   position_ids go back to 0: the attention kernels take their boundaries from there.
+
+Padding-free (`PackedCollator(padding_free=True)`, a recipe's `padding_free: true`): the micro batch's rows
+concatenated into ONE row of their real tokens, B = 1, L = the rows' summed lengths, no padding at all (the layout
+of transformers' DataCollatorWithFlattening and TRL's `padding_free`). Every row starts a document, so the
+positions still restart per document and labels[:, 1:] counts the same trained tokens: the loss over them is the
+padded layout's. Only for kernels that take the documents apart without a mask (hfscale.models.varlen, flash's
+varlen path): under sdpa / eager that one row would get a (B x L)^2 mask (`check_padding_free`).
 """
 
 from __future__ import annotations
@@ -70,16 +77,20 @@ class PackedDataset:
 
 
 class PackedCollator:
-    """Rows -> the batch contract, padded to `seq_len` (or, with pad_to="longest", the batch's longest row)."""
+    """Rows -> the batch contract, padded to `seq_len` (or, with pad_to="longest", the batch's longest row); with
+    padding_free, the rows as one row of their real tokens, [1, sum of their lengths] (pad_to unused)."""
 
-    def __init__(self, seq_len: int | None = None, pad_id: int = 0, pad_to: str = "max"):
-        if pad_to not in ("max", "longest") or (pad_to == "max" and not seq_len):
+    def __init__(self, seq_len: int | None = None, pad_id: int = 0, pad_to: str = "max", padding_free: bool = False):
+        if pad_to not in ("max", "longest") or (pad_to == "max" and not seq_len and not padding_free):
             raise ValueError("pad_to is 'max' (with seq_len) or 'longest'")
-        self.seq_len, self.pad_id, self.pad_to = seq_len, pad_id, pad_to
+        self.seq_len, self.pad_id, self.pad_to, self.padding_free = seq_len, pad_id, pad_to, padding_free
 
     def __call__(self, features: list[dict]) -> dict:
         import torch
 
+        if self.padding_free:  # every row starts a document (position 0, label -100): nothing crosses a row's seam
+            return {k: torch.cat([torch.as_tensor(f[k]) for f in features])[None]
+                    for k in ("input_ids", "labels", "position_ids")}
         n = max(len(f["input_ids"]) for f in features)
         L = n if self.pad_to == "longest" else self.seq_len
         ids = torch.full((len(features), L), self.pad_id, dtype=torch.long)
@@ -92,6 +103,27 @@ class PackedCollator:
             pos[b, :k] = torch.as_tensor(f["position_ids"])
             pos[b, k:] -= k  # the padding: its own run of positions from 0
         return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+# kernels that keep a padding-free row's documents apart without a mask (hfscale.models.varlen.ATTENTION's names)
+PADDING_FREE_ATTENTION = ("varlen", "flash_attention_2", "flash_attention_3")
+
+
+def check_padding_free(padding_free: bool, attention: str | None, sp: int = 1) -> None:
+    """Refuse (ConfigError, one line) a padding-free layout the kernel or the sequence split cannot keep apart."""
+    from ..util.errors import ConfigError
+
+    if not padding_free:
+        return
+    if attention not in PADDING_FREE_ATTENTION:
+        kernel = f"attention {attention}" if attention else "the model's own attention (attention unset)"
+        raise ConfigError(f"padding_free: true puts each micro batch in one row of up to micro_batch x seq_len tokens, and "
+                          f"under {kernel} that row gets a (micro_batch x seq_len)^2 mask; set attention: varlen (or "
+                          "flash_attention_2 on CUDA), or drop padding_free")
+    if sp > 1:
+        raise ConfigError(f"padding_free: true cannot run under Ulysses SP (sp {sp}): the sequence split needs rows of "
+                          "one length divisible by sp, a padding-free row has the micro batch's own length; drop "
+                          "padding_free (packed rows of seq_len keep their documents apart under SP)")
 
 
 def batch_of(dataset: PackedDataset, rows, collator: PackedCollator) -> dict:

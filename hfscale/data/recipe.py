@@ -75,12 +75,15 @@ class RunRows:
         return self.val.dataset.trained_tokens(range(len(self.val.dataset)))
 
 
-def run_rows(info: StoreInfo, plan, seed: int, train_rows: int = 0, eval_rows: int = 0) -> RunRows:
-    """The store's rows as train_clm, qat_clm and distill_clm read them (`plan`: hfscale.data.sampler's batch plan)."""
-    from .dataset import MicroBatches, StepReader
+def run_rows(info: StoreInfo, plan, seed: int, train_rows: int = 0, eval_rows: int = 0,
+             padding_free: bool = False) -> RunRows:
+    """The store's rows as train_clm, qat_clm and distill_clm read them (`plan`: hfscale.data.sampler's batch plan);
+    `padding_free`: each micro batch one row of its real tokens (hfscale.data.dataset; checked by TrainConfig)."""
+    from .dataset import MicroBatches, PackedCollator, StepReader
 
     train, val = run_datasets(info, train_rows, eval_rows)
-    return RunRows(train, StepReader(train, plan, seed), MicroBatches(val, plan.micro_batch))
+    collator = PackedCollator(train.seq_len, padding_free=padding_free)
+    return RunRows(train, StepReader(train, plan, seed, collator), MicroBatches(val, plan.micro_batch, collator))
 
 
 def run_datasets(info: StoreInfo, train_rows: int = 0, eval_rows: int = 0):

@@ -363,6 +363,29 @@ def qat_combinations(s: Setup) -> Iterator[Finding]:
                       "use bf16 for QAT")
 
 
+@check
+def padding_free(s: Setup) -> Iterator[Finding]:
+    """TRL's SFTConfig(padding_free=True) or a recipe's `padding_free: true`: each batch flattened into one row
+    (hfscale.data.dataset), which only a varlen kernel keeps apart without a mask over the whole batch."""
+    a = s.args or {}
+    if get(a, "padding_free") is not True:
+        return
+    from ..data.dataset import PADDING_FREE_ATTENTION
+    from ..models.documents import is_flash
+    from ..models.varlen import NAME
+
+    attn = get(a, "attn_implementation")
+    attn = get(a, "attention") if attn in (MISSING, None) else attn
+    if isinstance(attn, str) and (attn in (*PADDING_FREE_ATTENTION, NAME) or is_flash(attn)):
+        return
+    kernel = f"attention {attn!r}" if isinstance(attn, str) else "the model's default attention"
+    yield Finding("padding-free-attention", "error", _args(s, "padding_free"),
+                  f"padding_free flattens each batch into one row; under {kernel} that row gets a mask over the whole "
+                  "batch, (B x L)^2, and with a cache on in train mode its documents attend to each other",
+                  "set attn_implementation: flash_attention_2 (GPUs) or hfscale's varlen (a recipe's attention: varlen; "
+                  "hfscale.models.varlen.use_varlen_(model)), or drop padding_free")
+
+
 # --- 9. unknown keys ------------------------------------------------------------------------------
 
 DS_TOP = {
@@ -387,7 +410,8 @@ RECIPE_KEYS = {"model", "model_name_or_path", "data", "dataset", "validation", "
                "adapter", "use_dora", "use_rslora", "lora_modules_to_save", "modules_to_save", "target_modules",
                "bnb_4bit_use_double_quant", "use_bnb_nested_quant", "merge_adapter",  # TRL ModelConfig / peft names
                "checkpointing", "resume", "keep_last", "eval_every", "save_every", "attn_implementation", "sp_window_sdpa",
-               "torch_dtype", "dtype"}  # the dtype the model is loaded in (from_pretrained)
+               "torch_dtype", "dtype",  # the dtype the model is loaded in (from_pretrained)
+               "padding_free", "attention"}  # TRL SFTConfig's / a recipe's padding-free batches and attention kernel
 
 
 # spelling suggestions cost ~0.3 ms per key (difflib against every known key): given for this many

@@ -247,10 +247,15 @@ def predict(config, r: dict) -> dict:
     from ..util.errors import HfscaleError
     from .peak import step_prediction
 
+    from ..models.varlen import NAME as VARLEN
+
     precision = {"fp16": "bf16"}.get(r["precision"], r["precision"])  # same bytes per element
     adamw = as_planned(r["adamw"])  # DeepSpeed's own optimizers step in place, like fused
+    # hfscale's varlen kernel (padded rows or padding-free) builds no mask and runs sdpa per group of documents: the
+    # plan's unpacked sdpa step (measured on the tiny recipe, seq_len 64: docs/data.md)
+    attention = "sdpa" if r["attention"] == VARLEN else r["attention"]
     try:
-        return step_prediction(config, r["micro_batch"], r["seq_len"], precision, r["attention"], r["checkpointing"],
+        return step_prediction(config, r["micro_batch"], r["seq_len"], precision, attention, r["checkpointing"],
                                grad_accum=r.get("grad_accum", 1), zero=r["zero"], dp=r["world"], offload=r["offload"], engine=r["engine"], adamw=adamw,
                                reshard_after_forward=r.get("reshard_after_forward", True),
                                rank=r.get("rank"), kernels="cuda" if str(r.get("device", "cpu")).startswith("cuda") else "cpu",

@@ -32,6 +32,9 @@ class TrainConfig:
     # the attention kernel: unset = the model's own (the tiny models: eager); varlen = hfscale.models.varlen (packed
     # documents attend within themselves without an L x L mask, any device) | sdpa | eager | flash_attention_2 | _3
     attention: str | None = None
+    # each micro batch as ONE row of its real tokens, no padding (hfscale.data.dataset's padding-free layout,
+    # DataCollatorWithFlattening / TRL's padding_free): only with attention varlen or flash_attention_2 / _3
+    padding_free: bool = False
     seq_len: int = 128
     global_batch_tokens: int = 8192  # tokens per optimizer step over all ranks
     micro_batch: int = 4  # sequences per rank per forward pass
@@ -110,12 +113,15 @@ class TrainConfig:
         if self.attention is not None and self.attention not in ATTENTION:
             raise ConfigError(f"attention {self.attention!r} not understood; use one of {', '.join(ATTENTION)} "
                               "(or leave it unset for the model's own kernel)")
+        from .recipe import refuse_unsupported
+
+        refuse_unsupported(self)  # what qat_clm / distill_clm cannot honour, before the checks that assume train_clm
+        from ..data.dataset import check_padding_free
+
+        check_padding_free(self.padding_free, self.attention)
         self.levers.check(self.seq_len, self.checkpointing)
         self.adapter_spec  # noqa: B018 - validated here, with the rest
         self.data_options  # noqa: B018 - validated here, with the rest
-        from .recipe import refuse_unsupported
-
-        refuse_unsupported(self)  # a setting this config's recipe cannot honour: one line, never ignored
 
     @property
     def data_options(self):

@@ -22,6 +22,9 @@ from ..util.errors import ConfigError
 UNSUPPORTED = (
     ("qat_clm", "adapter", lambda c, p: c.adapter != "none",
      "qat_clm trains LoRA on the fake-quantized base with --lora-rank N (got adapter {c.adapter}); drop adapter / --adapter"),
+    ("qat_clm", "padding_free", lambda c, p: c.padding_free,
+     "qat_clm reads packed rows of seq_len under the model's own attention kernel; padding_free (one row per micro batch, "
+     "attention: varlen) is recipes/train_clm.py's: drop padding_free"),
     ("qat_clm", "attention", lambda c, p: c.attention,
      "qat_clm runs the model's own attention kernel (got attention {c.attention}); drop attention / --attention "
      "(recipes/train_clm.py applies it)"),
@@ -34,6 +37,9 @@ UNSUPPORTED = (
     ("distill_clm", "adapter", lambda c, p: c.adapter != "none",  # its student trains in full
      "distill_clm trains the whole student (got adapter {c.adapter}); drop --adapter, or fine-tune with adapters in "
      "recipes/train_clm.py"),
+    ("distill_clm", "padding_free", lambda c, p: c.padding_free,
+     "distill_clm reads packed rows of seq_len under the models' own attention kernel; padding_free (one row per micro batch, "
+     "attention: varlen) is recipes/train_clm.py's: drop padding_free"),
     ("distill_clm", "attention", lambda c, p: c.attention,
      "distill_clm runs the models' own attention kernel (got attention {c.attention}); drop attention / --attention "
      "(recipes/train_clm.py applies it)"),
