@@ -148,7 +148,9 @@ def test_what_a_recipe_cannot_honour_is_refused_from_one_table():
     for values, cls, needle in [({"attention": "varlen"}, QATRecipeConfig, "qat_clm runs the model's own attention"),
                                 ({"adapter": "dora"}, DistillRecipeConfig, "distill_clm trains the whole student"),
                                 ({"tiled_loss": "2", "distill": "0.5"}, QATRecipeConfig, "set tiled_loss: 0, or distill: 0"),
-                                ({"tiled_loss": "2"}, DistillRecipeConfig, "distill_clm's KL to the teacher needs")]:
+                                ({"tiled_loss": "2"}, DistillRecipeConfig, "distill_clm's KL to the teacher needs"),
+                                ({"padding_free": "true"}, QATRecipeConfig, "drop padding_free"),
+                                ({"padding_free": "true", "attention": "varlen"}, DistillRecipeConfig, "drop padding_free")]:
         with pytest.raises(ConfigError, match=needle):
             load_recipe(None, {"teacher": "t", **values} if cls is DistillRecipeConfig else values, cls=cls)
     qat = load_recipe(None, {"checkpointing": "full", "tiled_mlp": "2", "tiled_loss": "2", "offload_activations": "true"},
