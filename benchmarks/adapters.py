@@ -1,7 +1,8 @@
 """Issue 37's adapter benchmark: full fine-tuning, LoRA, DoRA and QLoRA side by side.
 
     nice -n 19 .venv/bin/python benchmarks/adapters.py            # -> benchmarks/results/adapters.{md,json}
-    nice -n 19 .venv/bin/python benchmarks/adapters.py --part eval # one part only (memory | nf4 | eval)
+    nice -n 19 .venv/bin/python benchmarks/adapters.py --part eval # one part only (memory | repredict | nf4 | eval)
+    nice -n 19 .venv/bin/python benchmarks/adapters.py --part memory --only ZeRO-3/none,FSDP2/lora  # rerun rows
 
 1. memory: per-rank steady peak (torch's MemTracker inside each rank: `hfscale profile --adapter KIND`, the library
    path hfscale.scale.adapters.apply_adapter + hfscale.proofs.profile) and tokens/s of each adapter kind under each
@@ -15,14 +16,17 @@
    same model against `plan.memory.nf4_base_bytes` and against the flat 0.5 B/weight of "4-bit".
 3. eval: starting from the built-in tiny Gemma 3 pre-trained on the built-in corpus (hfscale/models/data/trained,
    `trained_tiny()`), each kind fine-tunes the same steps on the built-in chat set's training conversations (rendered
-   with the chat template, packed into blocks) and is scored on its held-out validation conversations. The tiny model
-   (not the >= 100M one) because this host trains it in minutes.
+   with the chat template, packed into blocks) at each lr of a small grid (LR_GRID, every kind, full included); per
+   kind the lr with the lowest loss on a selection split carved from the training conversations (every 10th, never
+   trained on) is selected, and its loss on the held-out validation conversations is reported. Every run is kept.
+   The tiny model (not the >= 100M one) because this host trains it in minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -50,8 +54,6 @@ def host() -> str:
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
-    import os
-
     return (f"{cpu}, {os.cpu_count()} cores (shared with other jobs), torch {torch.__version__} CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}")
 
@@ -86,7 +88,8 @@ def memory(work: Path, results: dict, only=None) -> None:
                                 "--adapter", kind, "--lora-rank", str(RANK), "--steps", str(STEPS), "--seq-len", str(SEQ),
                                 "--micro-batch", str(MICRO), "--precision", "fp32", "--out", str(out), "--force", "--json"],
                                capture_output=True, text=True, timeout=900)
-            row = {"engine": engine, "kind": kind, "seconds": round(time.time() - t0, 1)}
+            row = {"engine": engine, "kind": kind, "seconds": round(time.time() - t0, 1),
+                   "ran": f"{host()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}"}
             if r.returncode != 0:
                 err = [ln for ln in r.stderr.splitlines() if ln.strip() and "Warning" not in ln]
                 row["error"] = (err[-1] if err else f"exit {r.returncode}")[:300]
@@ -160,19 +163,39 @@ def nf4(work: Path, results: dict) -> None:
     save(results)
 
 
-def chat_blocks(tok, split: str, seq_len: int):
+SELECT_EVERY = 10  # every 10th training conversation is the selection split (lr chosen there, never on held-out)
+# a small lr grid per kind around its usual setting (full fine-tuning ~1e-4..1e-3; LoRA-family ~10x higher: the LoRA
+# paper and peft / TRL examples); the selected lr has the lowest selection-split loss; when it is the grid's largest,
+# one more point 3x above is run (once), so no kind is held at the edge of its grid. DoRA and QLoRA get two points
+# (bounded run time: ~5 min per run on the loaded 2-core host); LoRA, the target's kind, and full three
+LR_GRID = {"none": (1e-4, 3e-4, 1e-3), "lora": (1e-3, 3e-3, 1e-2), "dora": (3e-3, 1e-2), "qlora": (3e-3, 1e-2)}
+
+
+def chat_splits(tok, seq_len: int) -> dict:
+    """{train, select, heldout}: packed blocks of the built-in chat set's training conversations less every
+    SELECT_EVERY-th (train), those (select: where the lr is chosen), and its validation conversations (heldout:
+    reported only). Each split is packed on its own, so no block mixes two splits."""
     import gzip
 
     from hfscale.data.corpus import packed_blocks
     from hfscale.data.sources import BUILTIN_CHAT, builtin_files
     from hfscale.models.builtin import builtin_chat_template
 
-    rows = [json.loads(x) for x in gzip.open(builtin_files(BUILTIN_CHAT)[split], "rt")]
-    texts = [tok.apply_chat_template(r["messages"], tokenize=False, chat_template=builtin_chat_template()) for r in rows]
-    return packed_blocks(tok, texts, seq_len)
+    def texts(split):
+        rows = [json.loads(x) for x in gzip.open(builtin_files(BUILTIN_CHAT)[split], "rt")]
+        return [tok.apply_chat_template(r["messages"], tokenize=False, chat_template=builtin_chat_template())
+                for r in rows]
+
+    train = texts("train")
+    return {"train": packed_blocks(tok, [t for i, t in enumerate(train) if i % SELECT_EVERY != SELECT_EVERY - 1], seq_len),
+            "select": packed_blocks(tok, train[SELECT_EVERY - 1::SELECT_EVERY], seq_len),
+            "heldout": packed_blocks(tok, texts("validation"), seq_len)}
 
 
-def evaluate(work: Path, results: dict, steps: int, lrs: dict) -> None:
+def evaluate(work: Path, results: dict, steps: int, grid: dict) -> None:
+    """Every (kind, lr) of `grid` trained the same steps on the same data order; per kind the lr with the lowest
+    selection-split loss is selected and its held-out loss reported (all runs are kept in results["eval"]["runs"]).
+    Runs already in the results with the same steps are not rerun."""
     import torch
 
     from hfscale.models.builtin import TINY, build_model, load_tokenizer
@@ -183,27 +206,37 @@ def evaluate(work: Path, results: dict, steps: int, lrs: dict) -> None:
     base_dir = trained_tiny(progress=False)
     tok = load_tokenizer(TINY)
     seq, batch = 128, 8
-    train, val = chat_blocks(tok, "train", seq), chat_blocks(tok, "validation", seq)
+    data = chat_splits(tok, seq)
+    train = data["train"]
 
-    def val_loss(model):
+    def losses(model):
         model.eval()
+        out = {}
         with torch.no_grad():
-            out = [lm_loss(model, val[i:i + 16]).item() for i in range(0, len(val), 16)]
-        return sum(out) / len(out)
+            for split in ("select", "heldout"):
+                blocks = data[split]
+                vals = [lm_loss(model, blocks[i:i + 16]).item() for i in range(0, len(blocks), 16)]
+                out[split] = round(sum(vals) / len(vals), 4)
+        return out
 
-    rows = results.setdefault("eval", {"steps": steps, "batch": batch, "seq_len": seq, "train_blocks": len(train),
-                                       "val_blocks": len(val), "rows": {}})
-    for kind in KINDS:
-        torch.manual_seed(0)
+    old = results.get("eval", {})
+    e = {"steps": steps, "batch": batch, "seq_len": seq, "train_blocks": len(train), "select_blocks": len(data["select"]),
+         "heldout_blocks": len(data["heldout"]), "select_every": SELECT_EVERY,
+         "grid": {k: list(v) for k, v in grid.items()}, "rows": {},
+         "runs": old.get("runs", {}) if old.get("steps") == steps and "select_blocks" in old else {}}
+    results["eval"] = e
+
+    def run(kind: str, lr: float, start: dict | None) -> dict:
         spec = AdapterSpec(kind, rank=RANK)
+        torch.manual_seed(0)
         model = (load_quantized_base(str(base_dir), torch.float32, torch.uint8, scratch=work / "tiny-nf4")
                  if spec.base_bits == 4 else build_model(str(base_dir), dtype=torch.float32))
-        start = val_loss(model)
+        start = start or losses(model)
         model = apply_adapter(model, spec)
-        groups = adapter_param_groups(model, spec, lrs[kind]) if spec.enabled else \
-            [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lrs[kind]}]
+        groups = adapter_param_groups(model, spec, lr) if spec.enabled else \
+            [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lr}]
         opt = torch.optim.AdamW(groups, weight_decay=0.0)
-        g = torch.Generator().manual_seed(1)  # the same data order for every kind
+        g = torch.Generator().manual_seed(1)  # the same data order for every kind and lr
         model.train()
         t0 = time.time()
         for _ in range(steps):
@@ -213,17 +246,34 @@ def evaluate(work: Path, results: dict, steps: int, lrs: dict) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         secs = time.time() - t0
-        end = val_loss(model)
-        rows["rows"][kind] = {"lr": lrs[kind], "start": round(start, 4), "end": round(end, 4),
-                              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                              "seconds": round(secs, 1)}
-        print("eval", kind, rows["rows"][kind], flush=True)
-        save(results)
-    full = rows["rows"]["none"]
-    for r in rows["rows"].values():
-        r["improvement"] = round(r["start"] - r["end"], 4)
-        r["of_full"] = round((r["start"] - r["end"]) / (full["start"] - full["end"]), 3)
-    rows["base_loss"] = full["start"]
+        return {"kind": kind, "lr": lr, "start": start, "end": losses(model), "seconds": round(secs, 1),
+                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "load": os.getloadavg()[0]}
+
+    for kind in KINDS:
+        lrs = list(grid[kind])
+        for extended in (False, True):
+            for lr in lrs:
+                key = f"{kind}@{lr:g}"
+                if key not in e["runs"]:
+                    start = next((r["start"] for r in e["runs"].values() if r["kind"] == kind), None)
+                    e["runs"][key] = run(kind, lr, start)
+                    print("eval", key, e["runs"][key], flush=True)
+                    save(results)
+            best = min((e["runs"][f"{kind}@{lr:g}"] for lr in lrs), key=lambda r: r["end"]["select"])
+            if extended or best["lr"] != max(lrs):
+                break
+            lrs.append(3 * max(lrs))  # the best was the grid's largest: one more point above it
+        e["grid"][kind] = lrs
+    for kind in KINDS:
+        runs = [e["runs"][f"{kind}@{lr:g}"] for lr in e["grid"][kind]]
+        best = min(runs, key=lambda r: r["end"]["select"])
+        e["rows"][kind] = {"lr": best["lr"], "trainable": best["trainable"], "start": best["start"]["heldout"],
+                           "end": best["end"]["heldout"], "seconds": best["seconds"],
+                           "improvement": round(best["start"]["heldout"] - best["end"]["heldout"], 4)}
+    full = e["rows"]["none"]["improvement"]
+    for r in e["rows"].values():
+        r["of_full"] = round(r["improvement"] / full, 3)
+    e["base_loss"] = e["rows"]["none"]["start"]
     save(results)
 
 
@@ -237,9 +287,9 @@ def save(results: dict) -> None:
 def report(results: dict) -> str:
     gib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     lines = ["# Adapters: full fine-tuning, LoRA, DoRA, QLoRA (issue 37)", "",
-             f"Host: {results['host']} (Sapphire Rapids; every run here in fp32). Run: `nice -n 19 "
-             f".venv/bin/python benchmarks/adapters.py` (parts run separately, last write {results.get('date', '')}).",
-             ""]
+             "Every run here in fp32. Run: `nice -n 10 .venv/bin/python benchmarks/adapters.py` (parts run "
+             f"separately, last write {results.get('date', '')}). Hosts, per part as last run:", "",
+             *(f"- {part}: {h}" for part, h in sorted(results.get("hosts", {"all": results["host"]}).items())), ""]
     mem = results.get("memory", {})
     lines += ["## Targets (issue 37)", "", "| target | result | met |", "|---|---|---|"]
     done = [r for r in mem.values() if "measured" in r]
@@ -269,15 +319,23 @@ def report(results: dict) -> str:
                   f"{STEPS} steps (the last is the steady one), AdamW fused. Measured: MemTracker inside each rank "
                   "(`hfscale profile --adapter KIND`: hfscale.scale.adapters.apply_adapter + the profile worker; the "
                   "recipe's own adapter runs are not in this table). Planned (recomputed with the final planner, `--part "
-                  "repredict`): the traced step (full / LoRA / DoRA; QLoRA under DDP and ZeRO-2: the LoRA trace with "
-                  "its decoder linears as NF4) or the analytic terms (adapters under FSDP2, whose traced rules cover full "
-                  "fine-tuning only). ZeRO-3 full (+17.6%) and FSDP2 full (+3.2%) are the planner's full fine-tuning "
-                  "rules at this size (backward gradients / temporaries over-counted), not adapter terms. QLoRA under "
+                  "repredict`): the traced step (full / LoRA / DoRA on every engine, FSDP2 adapters included: its units "
+                  "hold the frozen base, only the adapter has gradients; QLoRA under DDP and ZeRO-2: the LoRA trace with "
+                  "its decoder linears as NF4) or the analytic terms (QLoRA under FSDP2). ZeRO-3 full was +17.6% and "
+                  "FSDP2 full +3.2% before the planner walked their backward over the gradient arrivals (ZeRO-3: a "
+                  "module's parameters released after its backward, a gradient alive from its arrival to its bucket's "
+                  "reduction; FSDP2: a layer whose gradients all arrived is finished, resharded and reduce-scattered), "
+                  "FSDP2 LoRA peaks at the start of forward (the tail's and the first layer's all-gather outputs beside "
+                  "their parameters, now planned). DoRA is not deterministic here: its step memory depends on the "
+                  "process's hash seed (two fresh fake-tensor traces of the same DDP DoRA step: 590.6 / 585.9 MB; with "
+                  "PYTHONHASHSEED=0 twice: equal), so its two ranks and its reruns differ (FSDP2: 515.1 / 558.8 MB in one "
+                  "run) and its plan moves with the trace. QLoRA under "
                   "ZeRO-3 failed in the profile worker (it loaded the NF4 base without DeepSpeed's sharded init); the "
                   "recipe refuses QLoRA under ZeRO-3 and FSDP2 (hfscale.scale.adapters.qlora_dtypes: the frozen NF4 "
                   "weights moved between ZeRO-3 checkpoints; uint8 storage under FSDP2 trains to NaN, accelerate "
                   "#3983), and the profile worker now follows it: the FSDP2 QLoRA row ran before that, with fp32 "
-                  "storage, and is shown for its memory only. tokens/s: both ranks' tokens over the mean step after the first, under the "
+                  "storage, and is shown for its memory only (planned from the analytic terms). tokens/s: both ranks' "
+                  "tokens over the mean step after the first, under the "
                   "tracker, on a host shared with other jobs (compare within a column with care).", "",
                   "| engine | kind | measured peak MiB (rank 0 / 1) | planned MiB | plan error | x full | tokens/s |",
                   "|---|---|---|---|---|---|---|"]
@@ -296,6 +354,11 @@ def report(results: dict) -> str:
                 lines.append(f"| {engine} | {NAMES[kind]} | {' / '.join(gib(x) for x in m)} | "
                              f"{' / '.join(gib(x) for x in p)} ({r['predicted_by']}) | "
                              f"{' / '.join(f'{e:+.2f}%' for e in r['error_pct'])} | {ratio} | {r['tokens_per_s']} |")
+        ran: dict = {}
+        for key, r in mem.items():
+            ran.setdefault(r.get("ran", results.get("memory_host_before", "?")), []).append(key)
+        lines += ["", "Where each row was measured:", "",
+                  *(f"- {', '.join(keys)}: {where}" for where, keys in ran.items())]
         lines.append("")
     n = results.get("nf4")
     if n:
@@ -309,18 +372,33 @@ def report(results: dict) -> str:
                   f"| a flat 0.5 byte per weight | {n['flat_half_byte']:,} | {n['flat_error_pct']:+.2f}% |",
                   f"| the rest in bf16: measured / planned | {n['other_measured']:,} / {n['other_planned']:,} | |", ""]
     e = results.get("eval")
-    if e and "base_loss" in e:
+    if e and "base_loss" in e and "runs" in e:
         lines += ["## Eval loss on held-out chat data after the same steps", "",
                   f"The built-in tiny Gemma 3 pre-trained on the built-in corpus (hfscale/models/data/trained) fine-tuned "
                   f"{e['steps']} steps of {e['batch']} x {e['seq_len']} tokens on the built-in chat set's training "
-                  f"conversations ({e['train_blocks']} blocks), same data order for every kind, AdamW without decay, "
-                  f"constant lr (no tuning: one lr per kind, stated); loss on all {e['val_blocks']} blocks of the held-out "
-                  "validation conversations. QLoRA starts from its own NF4 base (its start loss is the quantized model's).", "",
-                  "| kind | lr | trainable | start loss | end loss | improvement | of full's | seconds |",
+                  f"conversations less every {e['select_every']}th ({e['train_blocks']} blocks), same data order for "
+                  "every kind and lr, AdamW without decay, constant lr, rank "
+                  f"{RANK} (alpha 2r) on q/k/v/o/gate/up/down. The lr: a grid of three per kind (every kind, full "
+                  "included), the one with the lowest loss on the selection split (every "
+                  f"{e['select_every']}th training conversation, {e['select_blocks']} blocks, never trained on) "
+                  f"selected; reported: its loss on all {e['heldout_blocks']} blocks of the held-out validation "
+                  "conversations, which chose nothing. QLoRA starts from its own NF4 base (its start loss is the "
+                  "quantized model's).", "",
+                  "| kind | selected lr | trainable | start loss | end loss | improvement | of full's | seconds |",
                   "|---|---|---|---|---|---|---|---|"]
         for kind, r in e["rows"].items():
             lines.append(f"| {NAMES[kind]} | {r['lr']:g} | {r['trainable']:,} | {r['start']:.4f} | {r['end']:.4f} | "
-                         f"{r['improvement']:.4f} | {100 * r['of_full']:.0f}% | {r['seconds']} |")
+                         f"{r['improvement']:.4f} | {100 * r['of_full']:.1f}% | {r['seconds']} |")
+        lines += ["", "Every run of the sweep (selection-split loss chose the lr; held-out shown for all, used for none; "
+                  "seconds on a loaded 2-core host, 1-min load average beside each):", "",
+                  "| kind | lr | select: start / end | held-out: start / end | held-out improvement | selected | "
+                  "seconds (load) |", "|---|---|---|---|---|---|---|"]
+        for r in e["runs"].values():
+            chosen = e["rows"].get(r["kind"], {}).get("lr") == r["lr"]
+            lines.append(f"| {NAMES[r['kind']]} | {r['lr']:g} | {r['start']['select']:.4f} / {r['end']['select']:.4f} | "
+                         f"{r['start']['heldout']:.4f} / {r['end']['heldout']:.4f} | "
+                         f"{r['start']['heldout'] - r['end']['heldout']:.4f} | {'yes' if chosen else ''} | "
+                         f"{r['seconds']} ({r['load']:.1f}) |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -338,12 +416,15 @@ def main(argv=None) -> int:
     parts = args.part or ["nf4", "eval", "memory"]
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results["host"], results["date"] = host(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for part in set(parts) - {"report"}:  # rows of one table can come from different hosts: each part says where it ran
+        results.setdefault("hosts", {})[part] = f"{results['host']}, {results['date']}, load {os.getloadavg()[0]:.1f}"
     work = Path(args.work or tempfile.mkdtemp(prefix="hfscale-adapters-"))
     if "nf4" in parts:
         nf4(work, results)
     if "eval" in parts:
-        evaluate(work, results, args.eval_steps, {"none": 3e-4, "lora": 3e-3, "dora": 3e-3, "qlora": 3e-3})
+        evaluate(work, results, args.eval_steps, LR_GRID)
     if "memory" in parts:
+        results["hosts"]["memory"] = "per row, under the engine table"
         memory(work, results, set(args.only.split(",")) if args.only else None)
     if "repredict" in parts:
         repredict(work, results)

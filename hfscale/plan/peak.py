@@ -174,11 +174,6 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
         kw["kernels"] = kernels
     if packing:  # unpacked traces keep their cache keys
         kw["packing"] = True
-    if lora_rank and engine == "fsdp2":
-        from ..util.errors import HfscaleError
-
-        raise HfscaleError("FSDP2's per-rank rules (plan/fsdp.py) are laid over full fine-tuning's units; an adapter "
-                           "under FSDP2 is planned from the analytic terms")
     nf4_delta = 0
     if lora_rank and adapter == "qlora":
         if engine == "fsdp2" or zero == 3:
@@ -200,7 +195,7 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     elif engine == "fsdp2":  # FSDP2's rules over the trace (issue 27): hfscale/plan/fsdp.py
         from .fsdp import fsdp2_phases, fsdp2_units
 
-        units = fsdp2_units(config)
+        units = fsdp2_units(config, lora_rank, adapter)
         steps = {s: fsdp2_phases(tr, units, dp, reshard_after_forward, offload != "none", s, grad_accum, adamw)
                  for s in (True, False)}
     else:
@@ -255,9 +250,9 @@ def untraceable(s) -> str | None:
     """Why a planner Strategy's step cannot be traced (then only the analytic terms are reported)."""
     if s.optimizer != "adamw":
         return f"the trace runs AdamW; --optimizer {s.optimizer} is predicted from the analytic terms only"
-    if s.lora_rank and getattr(s, "engine", "auto") == "fsdp2":
-        return ("FSDP2's per-rank rules (plan/fsdp.py) are laid over full fine-tuning's units; an adapter under FSDP2 is "
-                "planned from the analytic terms")
+    if s.base_bits == 4 and getattr(s, "engine", "auto") == "fsdp2":
+        return ("QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; under FSDP2 (sharded NF4 storage) "
+                "it is planned from the analytic terms (the NF4 base as bitsandbytes stores it: memory.nf4_base_bytes)")
     if s.base_bits == 4 and s.zero == 3:
         return ("QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; under DDP and ZeRO-1/2 its step is "
                 "the LoRA trace with the NF4 base, under ZeRO-3 / FSDP2 (sharded NF4 storage) the analytic terms (the NF4 "
