@@ -264,17 +264,28 @@ def evaluate(work: Path, results: dict, steps: int, grid: dict) -> None:
                 break
             lrs.append(3 * max(lrs))  # the best was the grid's largest: one more point above it
         e["grid"][kind] = lrs
+    select_rows(e)
+    save(results)
+
+
+def select_rows(e: dict) -> None:
+    """Per kind, the run of the lowest selection-split loss among those run (`complete`: its whole grid ran), and its
+    held-out improvement against full fine-tuning's selected run."""
+    e["rows"] = {}
     for kind in KINDS:
-        runs = [e["runs"][f"{kind}@{lr:g}"] for lr in e["grid"][kind]]
+        runs = [r for r in e["runs"].values() if r["kind"] == kind]
+        if not runs:
+            continue
         best = min(runs, key=lambda r: r["end"]["select"])
         e["rows"][kind] = {"lr": best["lr"], "trainable": best["trainable"], "start": best["start"]["heldout"],
                            "end": best["end"]["heldout"], "seconds": best["seconds"],
-                           "improvement": round(best["start"]["heldout"] - best["end"]["heldout"], 4)}
-    full = e["rows"]["none"]["improvement"]
-    for r in e["rows"].values():
-        r["of_full"] = round(r["improvement"] / full, 3)
-    e["base_loss"] = e["rows"]["none"]["start"]
-    save(results)
+                           "improvement": round(best["start"]["heldout"] - best["end"]["heldout"], 4),
+                           "complete": all(f"{kind}@{lr:g}" in e["runs"] for lr in e["grid"][kind])}
+    if "none" in e["rows"]:
+        full = e["rows"]["none"]["improvement"]
+        for r in e["rows"].values():
+            r["of_full"] = round(r["improvement"] / full, 3)
+        e["base_loss"] = e["rows"]["none"]["start"]
 
 
 RESULTS = OUT / "adapters.json"
@@ -326,10 +337,14 @@ def report(results: dict) -> str:
                   "module's parameters released after its backward, a gradient alive from its arrival to its bucket's "
                   "reduction; FSDP2: a layer whose gradients all arrived is finished, resharded and reduce-scattered), "
                   "FSDP2 LoRA peaks at the start of forward (the tail's and the first layer's all-gather outputs beside "
-                  "their parameters, now planned). DoRA is not deterministic here: its step memory depends on the "
-                  "process's hash seed (two fresh fake-tensor traces of the same DDP DoRA step: 590.6 / 585.9 MB; with "
-                  "PYTHONHASHSEED=0 twice: equal), so its two ranks and its reruns differ (FSDP2: 515.1 / 558.8 MB in one "
-                  "run) and its plan moves with the trace. QLoRA under "
+                  "their parameters, now planned). DoRA's rows measure garbage: under torch's ModTracker (inside MemTracker, "
+                  "which both `hfscale profile` and the plan's trace run) every DoRA forward leaves a weight-sized tensor "
+                  "(peft's lora_B(lora_A(eye)), the adapter's delta weight) in a reference cycle that only Python's cyclic "
+                  "GC frees (a DoRA Linear 768 -> 2048, 5 forward + backward: 5 such tensors alive with the GC off under "
+                  "ModTracker, 0 without it); when the GC runs depends on the process (its hash seed: two fresh traces "
+                  "of the same DDP DoRA step 590.6 / 585.9 MB, equal with PYTHONHASHSEED fixed; with the GC off 896 MB), so "
+                  "DoRA's two ranks and reruns differ (FSDP2: 515.1 / 558.8 MB in one run) and neither the plan nor "
+                  "the measurement is DoRA's real step. QLoRA under "
                   "ZeRO-3 failed in the profile worker (it loaded the NF4 base without DeepSpeed's sharded init); the "
                   "recipe refuses QLoRA under ZeRO-3 and FSDP2 (hfscale.scale.adapters.qlora_dtypes: the frozen NF4 "
                   "weights moved between ZeRO-3 checkpoints; uint8 storage under FSDP2 trains to NaN, accelerate "
@@ -378,8 +393,10 @@ def report(results: dict) -> str:
                   f"{e['steps']} steps of {e['batch']} x {e['seq_len']} tokens on the built-in chat set's training "
                   f"conversations less every {e['select_every']}th ({e['train_blocks']} blocks), same data order for "
                   "every kind and lr, AdamW without decay, constant lr, rank "
-                  f"{RANK} (alpha 2r) on q/k/v/o/gate/up/down. The lr: a grid of three per kind (every kind, full "
-                  "included), the one with the lowest loss on the selection split (every "
+                  f"{RANK} (alpha 2r) on q/k/v/o/gate/up/down. The lr: a grid per kind, every kind, full included ("
+                  + "; ".join(f"{NAMES[k]} {', '.join(f'{x:g}' for x in v)}" for k, v in e["grid"].items())
+                  + "; a point 3x above the largest is added when the largest won), the one with the lowest loss on "
+                  "the selection split (every "
                   f"{e['select_every']}th training conversation, {e['select_blocks']} blocks, never trained on) "
                   f"selected; reported: its loss on all {e['heldout_blocks']} blocks of the held-out validation "
                   "conversations, which chose nothing. QLoRA starts from its own NF4 base (its start loss is the "
@@ -387,7 +404,8 @@ def report(results: dict) -> str:
                   "| kind | selected lr | trainable | start loss | end loss | improvement | of full's | seconds |",
                   "|---|---|---|---|---|---|---|---|"]
         for kind, r in e["rows"].items():
-            lines.append(f"| {NAMES[kind]} | {r['lr']:g} | {r['trainable']:,} | {r['start']:.4f} | {r['end']:.4f} | "
+            lines.append(f"| {NAMES[kind]} | {r['lr']:g}{'' if r.get('complete', True) else ' (grid not finished)'} | "
+                         f"{r['trainable']:,} | {r['start']:.4f} | {r['end']:.4f} | "
                          f"{r['improvement']:.4f} | {100 * r['of_full']:.1f}% | {r['seconds']} |")
         lines += ["", "Every run of the sweep (selection-split loss chose the lr; held-out shown for all, used for none; "
                   "seconds on a loaded 2-core host, 1-min load average beside each):", "",
@@ -428,6 +446,8 @@ def main(argv=None) -> int:
         memory(work, results, set(args.only.split(",")) if args.only else None)
     if "repredict" in parts:
         repredict(work, results)
+    if "report" in parts and results.get("eval", {}).get("runs"):  # a sweep stopped early: select from what ran
+        select_rows(results["eval"])
     save(results)
     (OUT / "adapters.md").write_text(report(results))
     print(f"wrote {OUT / 'adapters.md'}")
