@@ -43,7 +43,7 @@ benchmarks/results/adapters.md), where the model states outweigh the activations
 the tied embedding's last gradient after every layer finished (-0.00%; +3.19% while the last arrival's layer was taken
 as still running), LoRA's peak the start of forward (-0.06%; its backward -0.001%). DoRA's forward holds a varying
 number of weight-sized tensors more than the trace (two ranks of one run: 515.1 / 558.8 MB): cyclic garbage torch's
-ModTracker makes of peft's DoRA delta weight, freed when Python's GC runs (benchmarks/results/adapters.md). Not modelled: allocator
+ModTracker makes of the graph of peft's DoRA delta weight (its saved identity), freed when Python's GC runs (benchmarks/results/adapters.md). Not modelled: allocator
 caching and stream overlap on GPUs (the all-gather and reduce-scatter buffers were read from CPU / gloo runs, where
 collectives are synchronous); the activations at the start of forward (the embedding's output).
 """
