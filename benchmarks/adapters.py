@@ -192,7 +192,7 @@ def chat_splits(tok, seq_len: int) -> dict:
             "heldout": packed_blocks(tok, texts("validation"), seq_len)}
 
 
-def evaluate(work: Path, results: dict, steps: int, grid: dict) -> None:
+def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=KINDS) -> None:
     """Every (kind, lr) of `grid` trained the same steps on the same data order; per kind the lr with the lowest
     selection-split loss is selected and its held-out loss reported (all runs are kept in results["eval"]["runs"]).
     Runs already in the results with the same steps are not rerun."""
@@ -249,7 +249,7 @@ def evaluate(work: Path, results: dict, steps: int, grid: dict) -> None:
         return {"kind": kind, "lr": lr, "start": start, "end": losses(model), "seconds": round(secs, 1),
                 "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "load": os.getloadavg()[0]}
 
-    for kind in KINDS:
+    for kind in kinds:
         lrs = list(grid[kind])
         for extended in (False, True):
             for lr in lrs:
@@ -428,6 +428,7 @@ def main(argv=None) -> int:
     ap.add_argument("--part", choices=["memory", "repredict", "nf4", "eval", "report"], action="append")
     ap.add_argument("--only", help="memory rows to (re)run, e.g. DDP/lora,ZeRO-3/none")
     ap.add_argument("--eval-steps", type=int, default=60)
+    ap.add_argument("--eval-kinds", default=",".join(KINDS), help="kinds the eval part sweeps, e.g. qlora")
     ap.add_argument("--work", default=None)
     ap.add_argument("--results", default=None, help="JSON to read and update (default benchmarks/results/adapters.json)")
     args = ap.parse_args(argv)
@@ -442,7 +443,7 @@ def main(argv=None) -> int:
     if "nf4" in parts:
         nf4(work, results)
     if "eval" in parts:
-        evaluate(work, results, args.eval_steps, LR_GRID)
+        evaluate(work, results, args.eval_steps, LR_GRID, tuple(args.eval_kinds.split(",")))
     if "memory" in parts:
         results["hosts"]["memory"] = "per row, under the engine table"
         memory(work, results, set(args.only.split(",")) if args.only else None)
