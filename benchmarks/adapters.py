@@ -1,7 +1,8 @@
 """Issue 37's adapter benchmark: full fine-tuning, LoRA, DoRA and QLoRA side by side.
 
     nice -n 19 .venv/bin/python benchmarks/adapters.py            # -> benchmarks/results/adapters.{md,json}
-    nice -n 19 .venv/bin/python benchmarks/adapters.py --part eval # one part only (memory | nf4 | eval)
+    nice -n 19 .venv/bin/python benchmarks/adapters.py --part eval # one part only (memory | repredict | nf4 | eval)
+    nice -n 19 .venv/bin/python benchmarks/adapters.py --part memory --only ZeRO-3/none,FSDP2/lora  # rerun rows
 
 1. memory: per-rank steady peak (torch's MemTracker inside each rank: `hfscale profile --adapter KIND`, the library
    path hfscale.scale.adapters.apply_adapter + hfscale.proofs.profile) and tokens/s of each adapter kind under each
@@ -15,14 +16,17 @@
    same model against `plan.memory.nf4_base_bytes` and against the flat 0.5 B/weight of "4-bit".
 3. eval: starting from the built-in tiny Gemma 3 pre-trained on the built-in corpus (hfscale/models/data/trained,
    `trained_tiny()`), each kind fine-tunes the same steps on the built-in chat set's training conversations (rendered
-   with the chat template, packed into blocks) and is scored on its held-out validation conversations. The tiny model
-   (not the >= 100M one) because this host trains it in minutes.
+   with the chat template, packed into blocks) at each lr of a small grid (LR_GRID, every kind, full included); per
+   kind the lr with the lowest loss on a selection split carved from the training conversations (every 10th, never
+   trained on) is selected, and its loss on the held-out validation conversations is reported. Every run is kept.
+   The tiny model (not the >= 100M one) because this host trains it in minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -34,7 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"
 ENGINES = {"DDP": "ddp", "ZeRO-2": "zero2", "ZeRO-3": "zero3", "FSDP2": "fsdp2"}
 KINDS = ("none", "lora", "dora", "qlora")
-NAMES = {"none": "full", "lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA"}
+NAMES = {"none": "full", "lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA", "lora+": "LoRA+ (B's lr x16)",
+         "rslora": "rsLoRA (alpha / sqrt r)"}
+# the eval part also sweeps the two LoRA variants peers offer (hfscale.scale.adapters.AdapterSpec's lora_plus_ratio, the
+# LoRA+ paper's 16, and rslora), the same rank and alpha; they are not the recipe's default, so the target reads plain LoRA
+EVAL_KINDS = KINDS + ("lora+", "rslora")
 # a Gemma 3 of 101.6M parameters (12 layers of 768, vocab 32,768): >= 100M as the issue asks, small enough that a
 # 2-process fp32 step of 64 tokens runs in seconds on 2 shared cores
 MODEL_CONFIG = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=32768, hidden_size=768,
@@ -50,8 +58,6 @@ def host() -> str:
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
-    import os
-
     return (f"{cpu}, {os.cpu_count()} cores (shared with other jobs), torch {torch.__version__} CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}")
 
@@ -86,7 +92,8 @@ def memory(work: Path, results: dict, only=None) -> None:
                                 "--adapter", kind, "--lora-rank", str(RANK), "--steps", str(STEPS), "--seq-len", str(SEQ),
                                 "--micro-batch", str(MICRO), "--precision", "fp32", "--out", str(out), "--force", "--json"],
                                capture_output=True, text=True, timeout=900)
-            row = {"engine": engine, "kind": kind, "seconds": round(time.time() - t0, 1)}
+            row = {"engine": engine, "kind": kind, "seconds": round(time.time() - t0, 1),
+                   "ran": f"{host()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}"}
             if r.returncode != 0:
                 err = [ln for ln in r.stderr.splitlines() if ln.strip() and "Warning" not in ln]
                 row["error"] = (err[-1] if err else f"exit {r.returncode}")[:300]
@@ -160,50 +167,91 @@ def nf4(work: Path, results: dict) -> None:
     save(results)
 
 
-def chat_blocks(tok, split: str, seq_len: int):
+SELECT_EVERY = 10  # every 10th training conversation is the selection split (lr chosen there, never on held-out)
+# a small lr grid per kind around its usual setting (full fine-tuning ~1e-4..1e-3; LoRA-family ~10x higher: the LoRA
+# paper and peft / TRL examples); the selected lr has the lowest selection-split loss; when it is the grid's largest,
+# one more point 3x above is run (once), so no kind is held at the edge of its grid. DoRA and QLoRA get two points
+# (bounded run time: ~5 min per run on the loaded 2-core host); LoRA, the target's kind, and full three
+LR_GRID = {"none": (1e-4, 3e-4, 1e-3), "lora": (1e-3, 3e-3, 1e-2), "dora": (3e-3, 1e-2), "qlora": (3e-3, 1e-2),
+           "lora+": (3e-4, 1e-3, 3e-3), "rslora": (1e-3, 3e-3)}
+
+
+def eval_spec(kind: str):
+    """The AdapterSpec an eval kind trains (EVAL_KINDS)."""
+    from hfscale.scale.adapters import AdapterSpec
+
+    extra = {"lora+": {"lora_plus_ratio": 16.0}, "rslora": {"rslora": True}}.get(kind, {})
+    return AdapterSpec("lora" if extra else kind, rank=RANK, **extra)
+
+
+def chat_splits(tok, seq_len: int) -> dict:
+    """{train, select, heldout}: packed blocks of the built-in chat set's training conversations less every
+    SELECT_EVERY-th (train), those (select: where the lr is chosen), and its validation conversations (heldout:
+    reported only). Each split is packed on its own, so no block mixes two splits."""
     import gzip
 
     from hfscale.data.corpus import packed_blocks
     from hfscale.data.sources import BUILTIN_CHAT, builtin_files
     from hfscale.models.builtin import builtin_chat_template
 
-    rows = [json.loads(x) for x in gzip.open(builtin_files(BUILTIN_CHAT)[split], "rt")]
-    texts = [tok.apply_chat_template(r["messages"], tokenize=False, chat_template=builtin_chat_template()) for r in rows]
-    return packed_blocks(tok, texts, seq_len)
+    def texts(split):
+        rows = [json.loads(x) for x in gzip.open(builtin_files(BUILTIN_CHAT)[split], "rt")]
+        return [tok.apply_chat_template(r["messages"], tokenize=False, chat_template=builtin_chat_template())
+                for r in rows]
+
+    train = texts("train")
+    return {"train": packed_blocks(tok, [t for i, t in enumerate(train) if i % SELECT_EVERY != SELECT_EVERY - 1], seq_len),
+            "select": packed_blocks(tok, train[SELECT_EVERY - 1::SELECT_EVERY], seq_len),
+            "heldout": packed_blocks(tok, texts("validation"), seq_len)}
 
 
-def evaluate(work: Path, results: dict, steps: int, lrs: dict) -> None:
+def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=EVAL_KINDS) -> None:
+    """Every (kind, lr) of `grid` trained the same steps on the same data order; per kind the lr with the lowest
+    selection-split loss is selected and its held-out loss reported (all runs are kept in results["eval"]["runs"]).
+    Runs already in the results with the same steps are not rerun."""
     import torch
 
     from hfscale.models.builtin import TINY, build_model, load_tokenizer
     from hfscale.models.loss import lm_loss
-    from hfscale.scale.adapters import AdapterSpec, adapter_param_groups, apply_adapter, load_quantized_base
+    from hfscale.scale.adapters import adapter_param_groups, apply_adapter, load_quantized_base
     from hfscale.testing.trained import trained_tiny
 
     base_dir = trained_tiny(progress=False)
     tok = load_tokenizer(TINY)
     seq, batch = 128, 8
-    train, val = chat_blocks(tok, "train", seq), chat_blocks(tok, "validation", seq)
+    data = chat_splits(tok, seq)
+    train = data["train"]
 
-    def val_loss(model):
+    def losses(model):
         model.eval()
+        out = {}
         with torch.no_grad():
-            out = [lm_loss(model, val[i:i + 16]).item() for i in range(0, len(val), 16)]
-        return sum(out) / len(out)
+            for split in ("select", "heldout"):
+                blocks = data[split]
+                vals = [lm_loss(model, blocks[i:i + 16]).item() for i in range(0, len(blocks), 16)]
+                out[split] = round(sum(vals) / len(vals), 4)
+        return out
 
-    rows = results.setdefault("eval", {"steps": steps, "batch": batch, "seq_len": seq, "train_blocks": len(train),
-                                       "val_blocks": len(val), "rows": {}})
-    for kind in KINDS:
+    old = results.get("eval", {})
+    e = {"steps": steps, "batch": batch, "seq_len": seq, "train_blocks": len(train), "select_blocks": len(data["select"]),
+         "heldout_blocks": len(data["heldout"]), "select_every": SELECT_EVERY,
+         "grid": {k: list(v) for k, v in grid.items()}, "rows": {},
+         "runs": old.get("runs", {}) if old.get("steps") == steps and "select_blocks" in old else {}}
+    if e["runs"]:  # kinds not swept now keep the grid they ran (with its extension)
+        e["grid"].update({k: v for k, v in old.get("grid", {}).items() if k not in kinds})
+    results["eval"] = e
+
+    def run(kind: str, lr: float, start: dict | None) -> dict:
+        spec = eval_spec(kind)
         torch.manual_seed(0)
-        spec = AdapterSpec(kind, rank=RANK)
         model = (load_quantized_base(str(base_dir), torch.float32, torch.uint8, scratch=work / "tiny-nf4")
                  if spec.base_bits == 4 else build_model(str(base_dir), dtype=torch.float32))
-        start = val_loss(model)
+        start = start or losses(model)
         model = apply_adapter(model, spec)
-        groups = adapter_param_groups(model, spec, lrs[kind]) if spec.enabled else \
-            [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lrs[kind]}]
+        groups = adapter_param_groups(model, spec, lr) if spec.enabled else \
+            [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lr}]
         opt = torch.optim.AdamW(groups, weight_decay=0.0)
-        g = torch.Generator().manual_seed(1)  # the same data order for every kind
+        g = torch.Generator().manual_seed(1)  # the same data order for every kind and lr
         model.train()
         t0 = time.time()
         for _ in range(steps):
@@ -213,18 +261,46 @@ def evaluate(work: Path, results: dict, steps: int, lrs: dict) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         secs = time.time() - t0
-        end = val_loss(model)
-        rows["rows"][kind] = {"lr": lrs[kind], "start": round(start, 4), "end": round(end, 4),
-                              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                              "seconds": round(secs, 1)}
-        print("eval", kind, rows["rows"][kind], flush=True)
-        save(results)
-    full = rows["rows"]["none"]
-    for r in rows["rows"].values():
-        r["improvement"] = round(r["start"] - r["end"], 4)
-        r["of_full"] = round((r["start"] - r["end"]) / (full["start"] - full["end"]), 3)
-    rows["base_loss"] = full["start"]
+        return {"kind": kind, "lr": lr, "start": start, "end": losses(model), "seconds": round(secs, 1),
+                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "load": os.getloadavg()[0]}
+
+    for kind in kinds:
+        lrs = list(grid[kind])
+        for extended in (False, True):
+            for lr in lrs:
+                key = f"{kind}@{lr:g}"
+                if key not in e["runs"]:
+                    start = next((r["start"] for r in e["runs"].values() if r["kind"] == kind), None)
+                    e["runs"][key] = run(kind, lr, start)
+                    print("eval", key, e["runs"][key], flush=True)
+                    save(results)
+            best = min((e["runs"][f"{kind}@{lr:g}"] for lr in lrs), key=lambda r: r["end"]["select"])
+            if extended or best["lr"] != max(lrs):
+                break
+            lrs.append(3 * max(lrs))  # the best was the grid's largest: one more point above it
+        e["grid"][kind] = lrs
+    select_rows(e)
     save(results)
+
+
+def select_rows(e: dict) -> None:
+    """Per kind, the run of the lowest selection-split loss among those run (`complete`: its whole grid ran), and its
+    held-out improvement against full fine-tuning's selected run."""
+    e["rows"] = {}
+    for kind in EVAL_KINDS:
+        runs = [r for r in e["runs"].values() if r["kind"] == kind]
+        if not runs:
+            continue
+        best = min(runs, key=lambda r: r["end"]["select"])
+        e["rows"][kind] = {"lr": best["lr"], "trainable": best["trainable"], "start": best["start"]["heldout"],
+                           "end": best["end"]["heldout"], "seconds": best["seconds"],
+                           "improvement": round(best["start"]["heldout"] - best["end"]["heldout"], 4),
+                           "complete": all(f"{kind}@{lr:g}" in e["runs"] for lr in e["grid"][kind])}
+    if "none" in e["rows"]:
+        full = e["rows"]["none"]["improvement"]
+        for r in e["rows"].values():
+            r["of_full"] = round(r["improvement"] / full, 3)
+        e["base_loss"] = e["rows"]["none"]["start"]
 
 
 RESULTS = OUT / "adapters.json"
@@ -237,9 +313,9 @@ def save(results: dict) -> None:
 def report(results: dict) -> str:
     gib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     lines = ["# Adapters: full fine-tuning, LoRA, DoRA, QLoRA (issue 37)", "",
-             f"Host: {results['host']} (Sapphire Rapids; every run here in fp32). Run: `nice -n 19 "
-             f".venv/bin/python benchmarks/adapters.py` (parts run separately, last write {results.get('date', '')}).",
-             ""]
+             "Every run here in fp32. Run: `nice -n 10 .venv/bin/python benchmarks/adapters.py` (parts run "
+             f"separately, last write {results.get('date', '')}). Hosts, per part as last run:", "",
+             *(f"- {part}: {h}" for part, h in sorted(results.get("hosts", {"all": results["host"]}).items())), ""]
     mem = results.get("memory", {})
     lines += ["## Targets (issue 37)", "", "| target | result | met |", "|---|---|---|"]
     done = [r for r in mem.values() if "measured" in r]
@@ -259,7 +335,9 @@ def report(results: dict) -> str:
                      f"{'yes' if abs(n['error_pct']) <= 5 else 'no'} |")
     e = results.get("eval", {}).get("rows", {})
     if "lora" in e and "of_full" in e["lora"]:
-        lines.append(f"| LoRA >= 80% of full fine-tuning's eval-loss improvement | {100 * e['lora']['of_full']:.1f}% | "
+        variants = "".join(f"; {NAMES[k]} {100 * e[k]['of_full']:.1f}%" for k in ("lora+", "rslora") if k in e)
+        lines.append(f"| LoRA >= 80% of full fine-tuning's eval-loss improvement | {100 * e['lora']['of_full']:.1f}% "
+                     f"(each kind's lr selected on a split of the training conversations{variants}) | "
                      f"{'yes' if e['lora']['of_full'] >= 0.8 else 'no'} |")
     lines.append("")
     if mem:
@@ -269,15 +347,28 @@ def report(results: dict) -> str:
                   f"{STEPS} steps (the last is the steady one), AdamW fused. Measured: MemTracker inside each rank "
                   "(`hfscale profile --adapter KIND`: hfscale.scale.adapters.apply_adapter + the profile worker; the "
                   "recipe's own adapter runs are not in this table). Planned (recomputed with the final planner, `--part "
-                  "repredict`): the traced step (full / LoRA / DoRA; QLoRA under DDP and ZeRO-2: the LoRA trace with "
-                  "its decoder linears as NF4) or the analytic terms (adapters under FSDP2, whose traced rules cover full "
-                  "fine-tuning only). ZeRO-3 full (+17.6%) and FSDP2 full (+3.2%) are the planner's full fine-tuning "
-                  "rules at this size (backward gradients / temporaries over-counted), not adapter terms. QLoRA under "
-                  "ZeRO-3 failed in the profile worker (it wrote the built-in base's weights under zero.Init: empty "
-                  "partitions; fixed since, the row not re-measured: hfscale profile runs it on the tiny model); the "
-                  "recipe refuses QLoRA under FSDP2 (uint8 storage trains to NaN, accelerate #3983; its ZeRO-3 "
-                  "refusal was a wrong check, docs/adapters.md), and the profile worker follows it: the FSDP2 QLoRA row "
-                  "ran before that, with fp32 storage, and is shown for its memory only. tokens/s: both ranks' tokens over the mean step after the first, under the "
+                  "repredict`): the traced step (full / LoRA / DoRA on every engine, FSDP2 adapters included: its units "
+                  "hold the frozen base, only the adapter has gradients; QLoRA under DDP and ZeRO-2: the LoRA trace with "
+                  "its decoder linears as NF4) or the analytic terms (QLoRA under FSDP2). ZeRO-3 full was +17.6% and "
+                  "FSDP2 full +3.2% before the planner walked their backward over the gradient arrivals (ZeRO-3: a "
+                  "module's parameters released after its backward, a gradient alive from its arrival to its bucket's "
+                  "reduction; FSDP2: a layer whose gradients all arrived is finished, resharded and reduce-scattered), "
+                  "FSDP2 LoRA peaks at the start of forward (the tail's and the first layer's all-gather outputs beside "
+                  "their parameters, now planned). DoRA's rows measure garbage: under torch's ModTracker (inside MemTracker, "
+                  "which both `hfscale profile` and the plan's trace run) every DoRA layer's forward leaves the graph of "
+                  "peft's delta weight lora_B(lora_A(eye(in))) with its saved in x in identity (16.8 MB for a 2048-wide "
+                  "down_proj) in a reference cycle that only Python's cyclic GC frees: nothing runs backward through that "
+                  "graph (peft uses its detached value) and ModTracker's hooks on its modules' outputs never fire (two "
+                  "DoRA Linears 768 -> 2048 -> 768, 3 steps with the GC off: 6 identities alive under ModTracker, none "
+                  "without it); when the GC runs depends on the process (its hash seed: two fresh traces "
+                  "of the same DDP DoRA step 590.6 / 585.9 MB, equal with PYTHONHASHSEED fixed; with the GC off 896 MB), so "
+                  "DoRA's two ranks and reruns differ (FSDP2: 515.1 / 558.8 MB in one run) and neither the plan nor "
+                  "the measurement is DoRA's real step. QLoRA under ZeRO-3 failed in the profile worker (it wrote the built-in "
+                  "base's weights under zero.Init: empty partitions; fixed since, the row not re-measured: hfscale profile "
+                  "runs it on the tiny model); the recipe refuses QLoRA under FSDP2 (uint8 storage trains to NaN, "
+                  "accelerate #3983; its ZeRO-3 refusal was a wrong check, docs/adapters.md), and the profile worker "
+                  "follows it: the FSDP2 QLoRA row ran before that, with fp32 storage, and is shown for its memory only "
+                  "(planned from the analytic terms). tokens/s: both ranks' tokens over the mean step after the first, under the "
                   "tracker, on a host shared with other jobs (compare within a column with care).", "",
                   "| engine | kind | measured peak MiB (rank 0 / 1) | planned MiB | plan error | x full | tokens/s |",
                   "|---|---|---|---|---|---|---|"]
@@ -296,6 +387,11 @@ def report(results: dict) -> str:
                 lines.append(f"| {engine} | {NAMES[kind]} | {' / '.join(gib(x) for x in m)} | "
                              f"{' / '.join(gib(x) for x in p)} ({r['predicted_by']}) | "
                              f"{' / '.join(f'{e:+.2f}%' for e in r['error_pct'])} | {ratio} | {r['tokens_per_s']} |")
+        ran: dict = {}
+        for key, r in mem.items():
+            ran.setdefault(r.get("ran", results.get("memory_host_before", "?")), []).append(key)
+        lines += ["", "Where each row was measured:", "",
+                  *(f"- {', '.join(keys)}: {where}" for where, keys in ran.items())]
         lines.append("")
     n = results.get("nf4")
     if n:
@@ -309,18 +405,40 @@ def report(results: dict) -> str:
                   f"| a flat 0.5 byte per weight | {n['flat_half_byte']:,} | {n['flat_error_pct']:+.2f}% |",
                   f"| the rest in bf16: measured / planned | {n['other_measured']:,} / {n['other_planned']:,} | |", ""]
     e = results.get("eval")
-    if e and "base_loss" in e:
+    if e and "base_loss" in e and "runs" in e:
         lines += ["## Eval loss on held-out chat data after the same steps", "",
                   f"The built-in tiny Gemma 3 pre-trained on the built-in corpus (hfscale/models/data/trained) fine-tuned "
                   f"{e['steps']} steps of {e['batch']} x {e['seq_len']} tokens on the built-in chat set's training "
-                  f"conversations ({e['train_blocks']} blocks), same data order for every kind, AdamW without decay, "
-                  f"constant lr (no tuning: one lr per kind, stated); loss on all {e['val_blocks']} blocks of the held-out "
-                  "validation conversations. QLoRA starts from its own NF4 base (its start loss is the quantized model's).", "",
-                  "| kind | lr | trainable | start loss | end loss | improvement | of full's | seconds |",
+                  f"conversations less every {e['select_every']}th ({e['train_blocks']} blocks), same data order for "
+                  "every kind and lr, AdamW without decay, constant lr, rank "
+                  f"{RANK} (alpha 2r) on q/k/v/o/gate/up/down. The lr: a grid per kind, every kind, full included ("
+                  + "; ".join(f"{NAMES[k]} {', '.join(f'{x:g}' for x in v)}" for k, v in e["grid"].items())
+                  + "; a point 3x above the largest is added when the largest won), the one with the lowest loss on "
+                  "the selection split (every "
+                  f"{e['select_every']}th training conversation, {e['select_blocks']} blocks, never trained on) "
+                  f"selected; reported: its loss on all {e['heldout_blocks']} blocks of the held-out validation "
+                  "conversations, which chose nothing. QLoRA starts from its own NF4 base (its start loss is the "
+                  "quantized model's). Before the sweep this table held one lr per kind (full 3e-4, the others 3e-3, "
+                  "trained on every training conversation): LoRA 79.2% of full; full's 3e-4 is its grid's second best "
+                  "here (1.4154 against 1.6581 at 1e-3), so with each kind's lr chosen alike the gap is wider. Seconds: "
+                  "the training steps under the load beside each run in the sweep table (the other jobs came and "
+                  "went: 7 to 390 s for the same work), not a speed comparison.", "",
+                  "| kind | selected lr | trainable | start loss | end loss | improvement | of full's | seconds |",
                   "|---|---|---|---|---|---|---|---|"]
         for kind, r in e["rows"].items():
-            lines.append(f"| {NAMES[kind]} | {r['lr']:g} | {r['trainable']:,} | {r['start']:.4f} | {r['end']:.4f} | "
-                         f"{r['improvement']:.4f} | {100 * r['of_full']:.0f}% | {r['seconds']} |")
+            lines.append(f"| {NAMES[kind]} | {r['lr']:g}{'' if r.get('complete', True) else ' (grid not finished)'} | "
+                         f"{r['trainable']:,} | {r['start']:.4f} | {r['end']:.4f} | "
+                         f"{r['improvement']:.4f} | {100 * r['of_full']:.1f}% | {r['seconds']} |")
+        lines += ["", "Every run of the sweep (selection-split loss chose the lr; held-out shown for all, used for none; "
+                  "seconds on a loaded 2-core host, 1-min load average beside each):", "",
+                  "| kind | lr | select: start / end | held-out: start / end | held-out improvement | selected | "
+                  "seconds (load) |", "|---|---|---|---|---|---|---|"]
+        for r in e["runs"].values():
+            chosen = e["rows"].get(r["kind"], {}).get("lr") == r["lr"]
+            lines.append(f"| {NAMES[r['kind']]} | {r['lr']:g} | {r['start']['select']:.4f} / {r['end']['select']:.4f} | "
+                         f"{r['start']['heldout']:.4f} / {r['end']['heldout']:.4f} | "
+                         f"{r['start']['heldout'] - r['end']['heldout']:.4f} | {'yes' if chosen else ''} | "
+                         f"{r['seconds']} ({r['load']:.1f}) |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -330,6 +448,7 @@ def main(argv=None) -> int:
     ap.add_argument("--part", choices=["memory", "repredict", "nf4", "eval", "report"], action="append")
     ap.add_argument("--only", help="memory rows to (re)run, e.g. DDP/lora,ZeRO-3/none")
     ap.add_argument("--eval-steps", type=int, default=60)
+    ap.add_argument("--eval-kinds", default=",".join(EVAL_KINDS), help="kinds the eval part sweeps, e.g. qlora")
     ap.add_argument("--work", default=None)
     ap.add_argument("--results", default=None, help="JSON to read and update (default benchmarks/results/adapters.json)")
     args = ap.parse_args(argv)
@@ -338,15 +457,20 @@ def main(argv=None) -> int:
     parts = args.part or ["nf4", "eval", "memory"]
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results["host"], results["date"] = host(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for part in set(parts) - {"report"}:  # rows of one table can come from different hosts: each part says where it ran
+        results.setdefault("hosts", {})[part] = f"{results['host']}, {results['date']}, load {os.getloadavg()[0]:.1f}"
     work = Path(args.work or tempfile.mkdtemp(prefix="hfscale-adapters-"))
     if "nf4" in parts:
         nf4(work, results)
     if "eval" in parts:
-        evaluate(work, results, args.eval_steps, {"none": 3e-4, "lora": 3e-3, "dora": 3e-3, "qlora": 3e-3})
+        evaluate(work, results, args.eval_steps, LR_GRID, tuple(args.eval_kinds.split(",")))
     if "memory" in parts:
+        results["hosts"]["memory"] = "per row, under the engine table"
         memory(work, results, set(args.only.split(",")) if args.only else None)
     if "repredict" in parts:
         repredict(work, results)
+    if "report" in parts and results.get("eval", {}).get("runs"):  # a sweep stopped early: select from what ran
+        select_rows(results["eval"])
     save(results)
     (OUT / "adapters.md").write_text(report(results))
     print(f"wrote {OUT / 'adapters.md'}")

@@ -125,3 +125,26 @@ def test_plan_packing_traces_the_packed_step():
     assert packed.prediction.peak != plain.prediction.peak
     with pytest.raises(HfscaleError, match="--packing"):
         plan(TINY, 128, 2, packing=True, method="fast")
+
+
+def test_depth_scaled_engine_walks_equal_the_full_depth_trace(monkeypatch):
+    """ZeRO-3's and FSDP2's backward walk the gradient arrivals, which a trace scaled in depth does not keep: peak.py
+    walks the two shallow traces and extrapolates per kind. Equal to walking a full-depth trace on a Llama whose model
+    states outweigh its activations (1 x 16 tokens), full fine-tuning and LoRA (without the shallow walks all three rows
+    differ). (Checked by hand on a 20-layer Gemma 3 of 384, ZeRO-3 / FSDP2, full / LoRA / DoRA: equal but ZeRO-3 full's
+    step-1 backward, -1.8%, its walk peaking at another place in depth, and DoRA, whose trace varies: cyclic garbage.)"""
+    from transformers import LlamaConfig
+
+    import hfscale.plan.peak as peak
+
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=2)
+    # the rows whose scaled plan differed from the full-depth walk before (ZeRO-3 LoRA's peak is backward's start)
+    rows = [dict(zero=3, engine="deepspeed"), dict(engine="fsdp2"), dict(engine="fsdp2", lora_rank=4)]
+    scaled = [peak.step_prediction(cfg, 1, 16, "fp32", dp=2, **kw) for kw in rows]
+    assert peak.depth_plan(cfg, "off") == (5, 2, 3)
+    monkeypatch.setattr(peak, "depth_plan", lambda *a, **k: None)
+    for kw, s in zip(rows, scaled):
+        d = peak.step_prediction(cfg, 1, 16, "fp32", dp=2, **kw)
+        assert s["trace"]["traced_layers"] == [2, 3] and d["trace"]["traced_layers"] is None
+        assert s["phases"] == d["phases"], (kw, s["phases"], d["phases"])

@@ -17,7 +17,10 @@ with ZeRO's sharding and offload applied to the traced model states.
   when it was): it is traced on the full-depth model alone, which costs no forward or backward.
 - Engines: DDP is the trace itself plus DDP's gradient buckets; DeepSpeed ZeRO 1-3 and offload lay
   DeepSpeed's own buffers over the trace (`zero.py`, measured against DeepSpeed ranks); FSDP2 lays its units'
-  gathers and shards over it (`fsdp.py`, measured against FSDP2 ranks).
+  gathers and shards over it (`fsdp.py`, measured against FSDP2 ranks). ZeRO-3's and FSDP2's backward walk the
+  traced gradient arrivals, which a trace scaled in depth does not keep: there each shallow trace is walked and the
+  engine's backward extrapolated per kind (`_depth_scaled_backward`; equal to walking the full-depth trace on the
+  checked rows, tests/test_trace.py, but ZeRO-3 full fine-tuning's step-1 backward on a 20-layer Gemma 3, -1.8%).
 """
 
 from __future__ import annotations
@@ -174,11 +177,6 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
         kw["kernels"] = kernels
     if packing:  # unpacked traces keep their cache keys
         kw["packing"] = True
-    if lora_rank and engine == "fsdp2":
-        from ..util.errors import HfscaleError
-
-        raise HfscaleError("FSDP2's per-rank rules (plan/fsdp.py) are laid over full fine-tuning's units; an adapter "
-                           "under FSDP2 is planned from the analytic terms")
     nf4_delta = 0
     if lora_rank and adapter == "qlora":
         if engine == "fsdp2" or zero == 3:
@@ -192,27 +190,34 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     if lora_rank:  # the recipe's targets (not peft's all-linear, as adapter traces were cached before): new keys
         kw["adapter"] = adapter
     tr = scaled_trace(config, micro_batch=micro_batch, **kw)
-    if engine == "deepspeed":
-        from .zero import deepspeed_phases
 
-        hidden = getattr(config.get_text_config(), "hidden_size", 0) or 0
-        steps = {s: deepspeed_phases(tr, zero, dp, offload, hidden, s, grad_accum, adamw, rank) for s in (True, False)}
-    elif engine == "fsdp2":  # FSDP2's rules over the trace (issue 27): hfscale/plan/fsdp.py
-        from .fsdp import fsdp2_phases, fsdp2_units
+    def engine_steps(t: StepTrace, cfg) -> dict:
+        """{steady: {phase: {kind: bytes}}} of trace `t` (of model `cfg`) under the engine."""
+        if engine == "deepspeed":
+            from .zero import deepspeed_phases
 
-        units = fsdp2_units(config)
-        steps = {s: fsdp2_phases(tr, units, dp, reshard_after_forward, offload != "none", s, grad_accum, adamw)
-                 for s in (True, False)}
-    else:
+            hidden = getattr(cfg.get_text_config(), "hidden_size", 0) or 0
+            return {s: deepspeed_phases(t, zero, dp, offload, hidden, s, grad_accum, adamw, rank) for s in (True, False)}
+        if engine == "fsdp2":  # FSDP2's rules over the trace (issue 27): hfscale/plan/fsdp.py
+            from .fsdp import fsdp2_phases, fsdp2_units
+
+            units = fsdp2_units(cfg, lora_rank, adapter)
+            return {s: fsdp2_phases(t, units, dp, reshard_after_forward, offload != "none", s, grad_accum, adamw)
+                    for s in (True, False)}
         if zero or offload != "none":
             raise ValueError("ZeRO stages and offload are DeepSpeed's: predict them with engine='deepspeed'")
-        steps = {s: {k: dict(v.breakdown) for k, v in tr.phases(s, grad_accum).items()} for s in (True, False)}
+        out = {s: {k: dict(v.breakdown) for k, v in t.phases(s, grad_accum).items()} for s in (True, False)}
         if dp > 1:  # DDP's gradient buckets: one more copy of the trainable gradients, alive all along
-            buckets = tr.trainable_params * (2 if tr.precision == "bf16-pure" else 4)
-            steps = {s: {ph: {**kinds, "ddp_buckets": buckets} for ph, kinds in v.items()} for s, v in steps.items()}
+            buckets = t.trainable_params * (2 if t.precision == "bf16-pure" else 4)
+            out = {s: {ph: {**kinds, "ddp_buckets": buckets} for ph, kinds in v.items()} for s, v in out.items()}
             # before DDP rebuilds its buckets (step 2's forward) the first backward leaves one more gradient-sized
             # copy alive into the optimizer step (measured on CPU / gloo: hfscale profile, benchmarks/step_peak.py)
-            steps[False]["optimizer"]["ddp_step1_copy"] = buckets
+            out[False]["optimizer"]["ddp_step1_copy"] = buckets
+        return out
+
+    steps = engine_steps(tr, config)
+    if tr.depth and (engine == "fsdp2" or (engine == "deepspeed" and zero == 3)):
+        steps = _depth_scaled_backward(steps, config, micro_batch, kw, engine_steps)
     if nf4_delta:  # QLoRA: the unsharded frozen linears held as NF4 (parameters only)
         steps = {s: {ph: {**k, "parameters": k.get("parameters", 0) - nf4_delta} for ph, k in v.items()}
                  for s, v in steps.items()}
@@ -238,6 +243,24 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     return out
 
 
+def _depth_scaled_backward(steps: dict, config, micro_batch: int, kw: dict, engine_steps) -> dict:
+    """ZeRO-3's and FSDP2's backward, walked over the gradient arrivals, for a trace scaled in depth (which keeps no
+    arrivals): the engine's backward on the two shallower traces, each walked over its own arrivals, extrapolated per
+    kind as `scaled_trace` extrapolates the step (what the shallow traces never ran, the optimizer states, is the
+    full-depth trace's)."""
+    L, L0, L1 = depth_plan(config, kw.get("checkpointing", "off"))
+    n = (L - L0) // (L1 - L0)
+    a, b = (engine_steps(cached_trace(truncated(config, x), micro_batch=micro_batch, **kw, optimizer=False),
+                         truncated(config, x)) for x in (L0, L1))
+    out = {}
+    for s, phases in steps.items():
+        x, y = a[s]["backward"], b[s]["backward"]
+        kinds = {k: x.get(k, 0) + n * (y.get(k, 0) - x.get(k, 0)) for k in set(x) | set(y)}
+        kinds.update({k: v for k, v in phases["backward"].items() if k.endswith("optimizer")})
+        out[s] = {**phases, "backward": {k: v for k, v in kinds.items() if v}}
+    return out
+
+
 def _nf4_delta(config, precision: str) -> int:
     """Bytes a QLoRA base saves over the LoRA trace's: every decoder linear weight, traced in the precision's dtype,
     held instead as bitsandbytes' NF4 (memory.nf4_base_bytes). Exact where the QLoRA model's other weights are in the
@@ -255,9 +278,9 @@ def untraceable(s) -> str | None:
     """Why a planner Strategy's step cannot be traced (then only the analytic terms are reported)."""
     if s.optimizer != "adamw":
         return f"the trace runs AdamW; --optimizer {s.optimizer} is predicted from the analytic terms only"
-    if s.lora_rank and getattr(s, "engine", "auto") == "fsdp2":
-        return ("FSDP2's per-rank rules (plan/fsdp.py) are laid over full fine-tuning's units; an adapter under FSDP2 is "
-                "planned from the analytic terms")
+    if s.base_bits == 4 and getattr(s, "engine", "auto") == "fsdp2":
+        return ("QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; under FSDP2 (sharded NF4 storage) "
+                "it is planned from the analytic terms (the NF4 base as bitsandbytes stores it: memory.nf4_base_bytes)")
     if s.base_bits == 4 and s.zero == 3:
         return ("QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; under DDP and ZeRO-1/2 its step is "
                 "the LoRA trace with the NF4 base, under ZeRO-3 / FSDP2 (sharded NF4 storage) the analytic terms (the NF4 "

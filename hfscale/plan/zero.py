@@ -20,13 +20,19 @@ P trainable elements, d bytes per parameter element: 4 fp32, 2 bf16; A = 8P, Ada
                 parameter overlapping the rank's partition of the flat group (padded to 2 x N elements).
                 Traces scaled in depth keep no arrivals: there the partition counts from the first gradient
                 on (the last rank's case)
-  stage 3       gradients in backward 1/N; the parameter partition d*P/N and the flat gradient-partition
-                buffer 4P/N (fp32 runs; bf16: 2P/N) from the start, plus the reduce bucket (reduce_bucket_size elements,
-                accelerate's "auto" = hidden^2); in steady forward / backward every parameter stays
-                gathered while the model has fewer elements than stage3_max_reuse_distance (1e9 by
-                default: DeepSpeed keeps a parameter it will use again within that many), else the
-                largest module's parameters and gradients (2x) are gathered at a time
+  stage 3       the parameter partition d*P/N and the flat gradient-partition buffer 4P/N (fp32 runs; bf16: 2P/N)
+                from the start, plus the reduce bucket (reduce_bucket_size elements, accelerate's "auto" = hidden^2);
+                in steady forward every parameter stays gathered while the model has fewer elements than
+                stage3_max_reuse_distance (1e9 by default: DeepSpeed keeps a parameter it will use again within
+                that many; backward uses each again), else the largest module's parameters and gradients (2x) are
+                gathered at a time. Backward is walked over the traced gradient arrivals (`_stage3_backward`): a
+                module's parameters are released once its backward is done (nothing later in the step uses them),
+                and a gradient lives outside DeepSpeed's buffers only from its arrival to its bucket's reduction
+                (the one arriving, and one larger than the bucket until the next arrival)
 
+On a 101.6M Gemma 3 (2 ranks, fp32, micro 1 x 64; benchmarks/results/adapters.md), where the model states outweigh
+the activations, the backward peak is at the first MLP gradients (two 768 x 2048 gradients alive, one module released):
+full fine-tuning +0.03% (+17.6% while every gradient was taken as alive 1/N and every parameter as gathered to the end).
 Measured on CPU against `hfscale profile` inside 2 ranks (tiny Gemma 3, fp32 and bf16, forloop AdamW):
 within 0.003% on the steady peaks of ZeRO-1, 2 and 3 and with offload without checkpointing, and on ZeRO-3
 every:2; ZeRO-2 with checkpointing or gradient accumulation per rank as well (before the per-rank walk,
@@ -111,6 +117,45 @@ def _stage2_backward(tr: StepTrace, dp: int, rank: int, d: int, bucket: int,
     return best
 
 
+def _stage3_backward(tr: StepTrace, d: int, hidden: int, steady: bool, grad_accum: int) -> dict[str, int]:
+    """Stage 3's backward peak walked over the traced gradient arrivals (DeepSpeed 0.19 stage3.py:
+    reduce_independent_p_g_buckets_and_remove_grads, partition_grads; partitioned_param_coordinator.py:
+    release_sub_module, __params_to_release). At a gradient's arrival its hook first reduces the bucket if the new
+    gradient does not fit beside it (a gradient larger than the bucket stays alive until then: `stage2_walk`'s rule,
+    the same code path), then copies the new one into the bucket (a fixed buffer) unless it is larger; reduced
+    gradients land in the flat gradient-partition buffer (fixed) and are freed. So at an arrival the new gradient and
+    the one still pending are alive; every other gradient the trace holds (a tied weight's partial sum is a temporary
+    there) is not yet DeepSpeed's. In steady steps a module's parameters are released after its backward when the
+    rest of the step does not use them again (always, below the reuse distance: backward is the step's end), which
+    comes after its weights' gradient hooks: gathered are the parameters but those of the modules whose gradients
+    arrived before this one, and but persistent ones (below stage3_param_persistence_threshold, accelerate's "auto" =
+    10 x hidden, never partitioned); frozen ones (an adapter's base) stay counted gathered (no arrival marks their
+    module done; an adapter's backward peaks at its start, where all are gathered anyway). Step 1 has no complete
+    trace: every module releases its parameters after use, none gathered at the measured peaks."""
+    bucket, persistent = hidden * hidden, 10 * hidden
+    best: dict[str, int] = {}
+    for m, segments in enumerate(tr.grad_arrivals[: 1 if grad_accum == 1 else 2]):
+        walk = stage2_walk(segments[1:], set(), bucket)
+        arrived = released = 0
+        for k, (i, n, _, kinds) in enumerate(segments):
+            arrived += n if k else 0
+            out = {x: kinds.get(x, 0) for x in ("activations", "temporaries", "buffers")}
+            # the trace's gradients less those DeepSpeed took (with accumulation the trace's .grad tensors hold the earlier
+            # micro batches' sums, which DeepSpeed keeps in its partition buffer), plus the arriving and pending ones
+            taken = d * (tr.trainable_params if m else arrived)
+            out["gradients"] = max(kinds.get("gradients", 0) - taken, 0) + (d * (walk[k - 1][1] + n) if k else 0)
+            if not steady:
+                out["parameters"] = 0
+            elif tr.params > REUSE_DISTANCE:
+                out["parameters"] = 2 * tr.largest_module_param_bytes
+            else:
+                out["parameters"] = d * (tr.params - released)
+            released += n if k and n > persistent else 0
+            if sum(out.values()) > sum(best.values()):
+                best = out
+    return best
+
+
 def deepspeed_phases(tr: StepTrace, zero: int, dp: int, offload: str, hidden: int, steady: bool,
                      grad_accum: int = 1, adamw: str = "fused", rank: int | None = None) -> dict[str, dict[str, int]]:
     """{phase: {kind: bytes}} per rank under DeepSpeed ZeRO `zero` over `dp` ranks (see the module docstring);
@@ -156,6 +201,8 @@ def deepspeed_phases(tr: StepTrace, zero: int, dp: int, offload: str, hidden: in
                                    if steady else 0)
         else:
             kinds["parameters"] = k.get("parameters", 0)
+        if phase == "backward" and zero == 3 and tr.grad_arrivals:
+            kinds = _stage3_backward(tr, d, hidden, steady, grad_accum)
         if phase == "backward" and zero == 2 and not off and tr.grad_arrivals:
             ranks = range(N) if rank is None else [rank]
             kinds = max((_stage2_backward(tr, N, r, d, hidden * hidden, grad_accum) for r in ranks),
