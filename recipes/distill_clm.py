@@ -19,7 +19,7 @@ records carry the held-out CE and KL to the teacher, at step 0 and every eval_ev
 OUTPUT_DIR/checkpoints/step_N (--resume latest), OUTPUT_DIR/model (consolidated, from_pretrained
 loads it) and OUTPUT_DIR/quality.json (teacher / student-before / student-after perplexity and KL).
 The student is built as train_clm builds its model (hfscale.train.prepare: checkpointing, tiled MLP / RMSNorm,
-activation offload); what this recipe cannot honour (attention, --adapter, Ulysses SP, tiled_loss) is refused in one
+activation offload); what this recipe cannot honour (attention, padding_free, --adapter, Ulysses SP, tiled_loss) is refused in one
 line (hfscale.train.recipe).
 """
 

@@ -13,7 +13,7 @@ llama.cpp's grid, for `hfscale quantize --format gguf --qtype Q4_0`), OUTPUT_DIR
 prints float / PTQ / QAT perplexity side by side with the share of PTQ's loss QAT recovered.
 Everything else (the data: any format, its loss masks, the token store and packing; batching, checkpoints,
 --resume latest, metrics.jsonl; activation checkpointing and the long-context levers: hfscale.train.prepare) is
-train_clm.py's; what this recipe cannot honour (attention, --adapter, Ulysses SP, tiled_loss with distill) is refused
+train_clm.py's; what this recipe cannot honour (attention, padding_free, --adapter, Ulysses SP, tiled_loss with distill) is refused
 in one line (hfscale.train.recipe).
 """
 

@@ -149,8 +149,8 @@ def test_what_a_recipe_cannot_honour_is_refused_from_one_table():
                                 ({"adapter": "dora"}, DistillRecipeConfig, "distill_clm trains the whole student"),
                                 ({"tiled_loss": "2", "distill": "0.5"}, QATRecipeConfig, "set tiled_loss: 0, or distill: 0"),
                                 ({"tiled_loss": "2"}, DistillRecipeConfig, "distill_clm's KL to the teacher needs"),
-                                ({"padding_free": "true"}, QATRecipeConfig, "drop padding_free"),
-                                ({"padding_free": "true", "attention": "varlen"}, DistillRecipeConfig, "drop padding_free")]:
+                                ({"padding_free": "true"}, QATRecipeConfig, "qat_clm reads packed rows"),
+                                ({"padding_free": "true", "attention": "varlen"}, DistillRecipeConfig, "distill_clm reads packed rows")]:
         with pytest.raises(ConfigError, match=needle):
             load_recipe(None, {"teacher": "t", **values} if cls is DistillRecipeConfig else values, cls=cls)
     qat = load_recipe(None, {"checkpointing": "full", "tiled_mlp": "2", "tiled_loss": "2", "offload_activations": "true"},
@@ -643,10 +643,10 @@ def flip_byte(path: Path) -> None:
 RESHAPE_TOL = 5e-3
 
 
-def assert_follows(resumed: dict, reference: dict, steps):
+def assert_follows(resumed: dict, reference: dict, steps, tol: float = RESHAPE_TOL):
     deltas = {s: abs(resumed[s]["loss"] - reference[s]["loss"]) for s in steps}
     print("resumed vs uninterrupted |loss delta| per step:", {s: round(d, 5) for s, d in deltas.items()})
-    assert max(deltas.values()) < RESHAPE_TOL, deltas
+    assert max(deltas.values()) < tol, deltas
     assert {resumed[s]["tokens_seen"] for s in steps} == {reference[s]["tokens_seen"] for s in steps}
     assert all(resumed[s]["tokens_seen"] == s * 512 for s in steps)  # the global batch kept: 512 tokens/step
 
@@ -744,8 +744,9 @@ def test_zero3_2_to_1_to_2_ranks(tmp_path):
 def test_ddp_trains_four_formats_saves_and_reloads(tmp_path, four_formats):
     """Under DDP (MULTI_CPU, 2 ranks) the recipe trains each format of the four-format mixture (chat among them), saves
     and reloads. Its 1-rank resume launch went to the ZeRO-3 QLoRA test: DDP 2 -> 1 (the state whole on every rank,
-    the same rows) is now the DDP DoRA kill -9 test's resume; the same rows after a change of rank count on this
-    mixture: ZeRO-2 (test_zero2_fallback_2_to_1_sigusr1_then_1_to_2) and ZeRO-3 (test_zero3_2_to_1_to_2_ranks)."""
+    the same rows) is now the DDP DoRA kill -9 test's resume (on the default data); the same rows after a change of
+    rank count on this mixture: ZeRO-2 (test_zero2_fallback_2_to_1_sigusr1_then_1_to_2); ZeRO-3's 2 -> 1 -> 2
+    (test_zero3_2_to_1_to_2_ranks) reads the default data."""
     ref = tmp_path / "ref"
     _, log = launch("ddp.yaml", ref, "--max-steps", "6", "--save-every", "2", "--keep-last", "2", *four_formats,
                     fault=f"record@{tmp_path}")
@@ -905,7 +906,8 @@ def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
         assert set(saved) <= set(start) and len(saved) >= len([k for k in start if k.endswith("weight")]) - 1
         # DeepSpeed bf16: the unquantized weights cast; NF4 weights (and their state) are bytes, compared as bytes
         # (never cast; bf16 / fp32 storage holds NaN bit patterns, which torch.equal calls unequal to themselves)
-        moved = [k for k, v in saved.items() if not (same_bits(v, start[k]) if nf4 and ".base_layer.weight" in k
+        # (the quantization state too: absmax rounded to bf16, the bitsandbytes repack trap, would hide behind a cast)
+        moved = [k for k, v in saved.items() if not (same_bits(v, start[k]) if nf4 and ".base_layer." in k
                                                      else torch.equal(v, start[k].to(v.dtype)))]
         assert moved == [], moved[:3]
 
@@ -1099,8 +1101,9 @@ def test_ddp_dora_survives_kill_9_and_resumes_on_1_rank_on_the_uninterrupted_tra
                     fault=f"record@{resumed_rows}")
     assert "at step 2 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
     assert "2 micro × 4 accum × 1 ranks × 64 = 512 tokens/step" in log
-    # 1 rank sums the same micro batches in another order: measured |delta| = 0.0 (steps 3, 4); RESHAPE_TOL as every reshape
-    assert_follows(read_records(out / "metrics.jsonl"), killed, (3, 4))
+    # 1 rank sums the same micro batches in another order: measured |delta| = 0.0 (steps 3, 4); 1e-4, 50x tighter than
+    # RESHAPE_TOL (the bf16 ZeRO reshapes), leaves room for that order only
+    assert_follows(read_records(out / "metrics.jsonl"), killed, (3, 4), tol=1e-4)
     mine, theirs = read_indices(resumed_rows), read_indices(killed_rows)
     assert sorted(mine) == [3, 4] and all(mine[s] == theirs[s] for s in mine)  # the same rows, none twice or skipped
     assert_adapter_run(out, log, "dora")

@@ -109,13 +109,22 @@ class PackedCollator:
 PADDING_FREE_ATTENTION = ("varlen", "flash_attention_2", "flash_attention_3")
 
 
+def keeps_documents_apart(attention) -> bool:
+    """Whether a kernel keeps a flat row's documents apart by their position ids alone (no mask): hfscale's varlen,
+    flash-attention's varlen path (any flash kernel transformers runs). The one rule: the recipe and doctor read it."""
+    from ..models.documents import is_flash
+    from ..models.varlen import NAME
+
+    return isinstance(attention, str) and (attention in (*PADDING_FREE_ATTENTION, NAME) or is_flash(attention))
+
+
 def check_padding_free(padding_free: bool, attention: str | None, sp: int = 1) -> None:
     """Refuse (ConfigError, one line) a padding-free layout the kernel or the sequence split cannot keep apart."""
     from ..util.errors import ConfigError
 
     if not padding_free:
         return
-    if attention not in PADDING_FREE_ATTENTION:
+    if not keeps_documents_apart(attention):
         kernel = f"attention {attention}" if attention else "the model's own attention (attention unset)"
         raise ConfigError(f"padding_free: true puts each micro batch in one row of up to micro_batch x seq_len tokens, and "
                           f"under {kernel} that row gets a (micro_batch x seq_len)^2 mask; set attention: varlen (or "

@@ -370,13 +370,11 @@ def padding_free(s: Setup) -> Iterator[Finding]:
     a = s.args or {}
     if get(a, "padding_free") is not True:
         return
-    from ..data.dataset import PADDING_FREE_ATTENTION
-    from ..models.documents import is_flash
-    from ..models.varlen import NAME
+    from ..data.dataset import keeps_documents_apart
 
     attn = get(a, "attn_implementation")
     attn = get(a, "attention") if attn in (MISSING, None) else attn
-    if isinstance(attn, str) and (attn in (*PADDING_FREE_ATTENTION, NAME) or is_flash(attn)):
+    if keeps_documents_apart(attn):
         return
     kernel = f"attention {attn!r}" if isinstance(attn, str) else "the model's default attention"
     yield Finding("padding-free-attention", "error", _args(s, "padding_free"),

@@ -8,7 +8,7 @@ naming the fix, exit 2, never a setting silently dropped.
 
     def main(argv=None) -> int:
         from hfscale.train.recipe import run_recipe
-        return run_recipe(argv, __doc__, QATRecipeConfig, train, check=refuse_random_init)
+        return run_recipe(argv, __doc__, QATRecipeConfig, train, check=check)
 """
 
 from __future__ import annotations
