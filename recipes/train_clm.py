@@ -32,24 +32,23 @@ def main(argv=None) -> int:
     from hfscale.train.config import TrainConfig
     from hfscale.train.recipe import run_recipe
 
-    return run_recipe(argv, __doc__, TrainConfig, train, check_launch=check,
+    return run_recipe(argv, __doc__, TrainConfig, train, check_launch=check_launch,
                       config_help="recipe YAML (recipes/<family>/<size>.yaml)")
 
 
-def check(cfg, pre) -> None:
+def check_launch(cfg, pre, parallel) -> None:
     """train_clm's own refusals, once the model's config and the launch are known (before any process group)."""
     check_adapter(cfg, pre)
-    check_parallel(cfg, pre)
+    check_parallel(cfg, pre, parallel)
 
 
-def check_parallel(cfg, pre):
-    """sp / tp / cp from the launch's parallelism_config, checked against the model before it loads (heads,
-    sliding windows: on sdpa the window is rebuilt under SP by hfscale.scale.ulysses.use_window_sdpa)."""
+def check_parallel(cfg, pre, parallel) -> None:
+    """sp / tp / cp from the launch's parallelism_config (hfscale.scale.ulysses.launch_parallel, read by run_recipe),
+    checked against the model before it loads (heads, sliding windows: on sdpa the window is rebuilt under SP by
+    hfscale.scale.ulysses.use_window_sdpa)."""
     from hfscale.scale.parallel import require_model_fits
     from hfscale.scale.runtime import refuse_parallel_on_cpu
-    from hfscale.scale.ulysses import launch_parallel
 
-    parallel = launch_parallel(os.environ)
     if parallel.size > 1:
         refuse_parallel_on_cpu(os.environ)
         if parallel.tp > 1 or parallel.cp > 1:
@@ -71,7 +70,6 @@ def check_parallel(cfg, pre):
 
         raise HfscaleError("attention: varlen does not run under Ulysses SP (it wraps sdpa or flash only); drop attention "
                            "(the launch's sp_attn_implementation decides the kernel)")
-    return parallel
 
 
 def train(cfg, force, pre, parallel, store) -> int:

@@ -63,7 +63,7 @@ def refuse_unsupported(cfg, parallel=None) -> None:
 def run_recipe(argv, doc: str, cls, train, check=None, check_launch=None, config_help: str = "recipe YAML") -> int:
     """A recipe's whole `main`, for every rank: parse, load the config (`cls`, whose `recipe` names the run), refuse
     what the recipe cannot honour of this launch, `check(cfg)` (the recipe's own refusals before anything loads),
-    preflight, `check_launch(cfg, pre)` (those that need the model's config or the launch), the token store, then
+    preflight, `check_launch(cfg, pre, parallel)` (those that need the model's config or the launch), the token store, then
     `train(cfg, force, pre, parallel, store) -> int`. Exit: 2 with one line from rank 0 for a refused run
     (loop.setup_failed); a run that stopped on every rank together, loop.stopped's status (75 preempted, 74 a
     failed save); anything else is raised."""
@@ -87,7 +87,7 @@ def run_recipe(argv, doc: str, cls, train, check=None, check_launch=None, config
             check(cfg)
         pre = preflight(cfg, force, source=config_path)
         if check_launch is not None:
-            check_launch(cfg, pre)
+            check_launch(cfg, pre, parallel)
         store = prepare_data(pre, rank, tag)
     except HfscaleError as e:
         return setup_failed(e, tag, rank)  # one line from rank 0; the other ranks do not leave first
