@@ -134,15 +134,14 @@ def scaled_trace(config, **kw) -> StepTrace:
     n = (L - L0) // (L1 - L0)
 
     def ext(x: PhasePeak, y: PhasePeak) -> PhasePeak:
-        kinds = {k: x.breakdown.get(k, 0) + n * (y.breakdown.get(k, 0) - x.breakdown.get(k, 0))
-                 for k in set(x.breakdown) | set(y.breakdown)}
+        kinds = extrapolated(x.breakdown, y.breakdown, n)
         return PhasePeak(sum(kinds.values()), {k: v for k, v in kinds.items() if v})
 
     micro = [{ph: ext(ma[ph], mb[ph]) for ph in ma} for ma, mb in zip(a.micro, b.micro)]
     return replace(full, micro=micro, seconds=a.seconds + b.seconds + full.seconds, depth=[L0, L1],
                    micro_batch=a.micro_batch, seq_len=a.seq_len, attention=a.attention, checkpointing=a.checkpointing,
-                   kernels=a.kernels, packing=a.packing, attention_kernels={k: a.attention_kernels.get(k, 0) + n * (v - a.attention_kernels.get(k, 0))
-                                                         for k, v in b.attention_kernels.items()})
+                   kernels=a.kernels, packing=a.packing, attention_kernels=extrapolated(a.attention_kernels, b.attention_kernels, n,
+                                                                      keys=b.attention_kernels))
 
 
 def _cached_json(kind: str, config, kw: dict, compute) -> dict:
@@ -243,6 +242,12 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     return out
 
 
+def extrapolated(x: dict, y: dict, n: int, keys=None) -> dict:
+    """Per kind, bytes of a model n layer-steps deeper than the trace `y`, from the shallower `x` and `y` (each
+    layer-step adds y - x): the one extrapolation of a depth-scaled trace. `keys`: those to give (default: both's)."""
+    return {k: x.get(k, 0) + n * (y.get(k, 0) - x.get(k, 0)) for k in (set(x) | set(y) if keys is None else keys)}
+
+
 def _depth_scaled_backward(steps: dict, config, micro_batch: int, kw: dict, engine_steps) -> dict:
     """ZeRO-3's and FSDP2's backward, walked over the gradient arrivals, for a trace scaled in depth (which keeps no
     arrivals): the engine's backward on the two shallower traces, each walked over its own arrivals, extrapolated per
@@ -255,7 +260,7 @@ def _depth_scaled_backward(steps: dict, config, micro_batch: int, kw: dict, engi
     out = {}
     for s, phases in steps.items():
         x, y = a[s]["backward"], b[s]["backward"]
-        kinds = {k: x.get(k, 0) + n * (y.get(k, 0) - x.get(k, 0)) for k in set(x) | set(y)}
+        kinds = extrapolated(x, y, n)
         kinds.update({k: v for k, v in phases["backward"].items() if k.endswith("optimizer")})
         out[s] = {**phases, "backward": {k: v for k, v in kinds.items() if v}}
     return out
