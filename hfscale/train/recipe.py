@@ -17,47 +17,43 @@ import os
 
 from ..util.errors import ConfigError
 
-# (recipe, setting, asked for? (config, the launch's scale.spec.Parallel or None before the launch is read), the line).
-# Parallelism is train_clm's (Ulysses SP, its data plan and loss); its own tp / cp refusal is its check_parallel.
+# (recipe, or None for both, setting, asked for? (config, the launch's scale.spec.Parallel or None before the launch is
+# read), the line: {r} the recipe, {k} whose attention kernel it runs). Parallelism is train_clm's (Ulysses SP, its data
+# plan and loss); its own tp / cp refusal is its check_parallel.
 UNSUPPORTED = (
     ("qat_clm", "adapter", lambda c, p: c.adapter != "none",
      "qat_clm trains LoRA on the fake-quantized base with --lora-rank N (got adapter {c.adapter}); drop adapter / --adapter"),
-    ("qat_clm", "padding_free", lambda c, p: c.padding_free,
-     "qat_clm reads packed rows of seq_len under the model's own attention kernel; padding_free (one row per micro batch, "
+    ("distill_clm", "adapter", lambda c, p: c.adapter != "none",  # its student trains in full
+     "distill_clm trains the whole student (got adapter {c.adapter}); drop --adapter, or fine-tune with adapters in "
+     "recipes/train_clm.py"),
+    (None, "padding_free", lambda c, p: c.padding_free,
+     "{r} reads packed rows of seq_len under {k} own attention kernel; padding_free (one row per micro batch, "
      "attention: varlen) is recipes/train_clm.py's: drop padding_free"),
-    ("qat_clm", "attention", lambda c, p: c.attention,
-     "qat_clm runs the model's own attention kernel (got attention {c.attention}); drop attention / --attention "
+    (None, "attention", lambda c, p: c.attention,
+     "{r} runs {k} own attention kernel (got attention {c.attention}); drop attention / --attention "
      "(recipes/train_clm.py applies it)"),
     ("qat_clm", "tiled_loss", lambda c, p: c.tiled_loss and c.distill > 0,
      "qat_clm's distill term needs the whole logits, which tiled_loss never builds (got tiled_loss {c.tiled_loss}, "
      "distill {c.distill}); set tiled_loss: 0, or distill: 0"),
-    ("qat_clm", "parallelism", lambda c, p: p is not None and p.size > 1,
-     "qat_clm runs data parallelism only; this launch asks for sp {p.sp} / tp {p.tp} / cp {p.cp}: use an accelerate "
-     "config without parallelism_config (accelerate_configs/zero2.yaml), or recipes/train_clm.py for sequence parallelism"),
-    ("distill_clm", "adapter", lambda c, p: c.adapter != "none",  # its student trains in full
-     "distill_clm trains the whole student (got adapter {c.adapter}); drop --adapter, or fine-tune with adapters in "
-     "recipes/train_clm.py"),
-    ("distill_clm", "padding_free", lambda c, p: c.padding_free,
-     "distill_clm reads packed rows of seq_len under the models' own attention kernel; padding_free (one row per micro batch, "
-     "attention: varlen) is recipes/train_clm.py's: drop padding_free"),
-    ("distill_clm", "attention", lambda c, p: c.attention,
-     "distill_clm runs the models' own attention kernel (got attention {c.attention}); drop attention / --attention "
-     "(recipes/train_clm.py applies it)"),
     ("distill_clm", "tiled_loss", lambda c, p: c.tiled_loss,
      "distill_clm's KL to the teacher needs the student's whole logits, which tiled_loss never builds (got tiled_loss "
      "{c.tiled_loss}); set tiled_loss: 0"),
-    ("distill_clm", "parallelism", lambda c, p: p is not None and p.size > 1,
-     "distill_clm runs data parallelism only; this launch asks for sp {p.sp} / tp {p.tp} / cp {p.cp}: use an "
-     "accelerate config without parallelism_config (accelerate_configs/zero2.yaml)"),
+    (None, "parallelism", lambda c, p: p is not None and p.size > 1,
+     "{r} runs data parallelism only; this launch asks for sp {p.sp} / tp {p.tp} / cp {p.cp}: use an accelerate "
+     "config without parallelism_config (accelerate_configs/zero2.yaml), or recipes/train_clm.py for sequence parallelism"),
 )
+# the recipes the table covers, and whose attention kernel each runs (qat: the model's; distill: student's and teacher's)
+KERNEL_OF = {"qat_clm": "the model's", "distill_clm": "the models'"}
 
 
 def refuse_unsupported(cfg, parallel=None) -> None:
     """ConfigError with the table's line for the first setting cfg's recipe (its config class's `recipe`) cannot
     honour; `parallel`: the launch's sizes, None where they are not read yet (a config being built)."""
+    if cfg.recipe not in KERNEL_OF:
+        return
     for recipe, _setting, asked, line in UNSUPPORTED:
-        if recipe == cfg.recipe and asked(cfg, parallel):
-            raise ConfigError(line.format(c=cfg, p=parallel))
+        if recipe in (None, cfg.recipe) and asked(cfg, parallel):
+            raise ConfigError(line.format(c=cfg, p=parallel, r=cfg.recipe, k=KERNEL_OF[cfg.recipe]))
 
 
 def run_recipe(argv, doc: str, cls, train, check=None, check_launch=None, config_help: str = "recipe YAML") -> int:
