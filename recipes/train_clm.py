@@ -109,10 +109,9 @@ def train(cfg, force, pre, parallel, store) -> int:
     if main_rank:
         print(f"[train_clm] {cfg.model}: {run.params:,} params"
               + (f" ({spec.describe()}: {run.trained:,} trained)" if spec.enabled else "") + ", "
-              f"{len(train_rows):,} train / {len(val_rows)} eval rows, checkpointed layers {run.layers or 'none'}, "
-              f"AdamW {run.adamw}" + (f", attention {cfg.attention}" if cfg.attention else "")
-              + (", padding-free (one row per micro batch)" if cfg.padding_free else "")
-              + (f"; {', '.join(run.applied)}" if run.applied else ""))
+              f"{len(train_rows):,} train / {len(val_rows)} eval rows, AdamW {run.adamw}"
+              + (f", attention {cfg.attention}" if cfg.attention else "")
+              + (", padding-free (one row per micro batch)" if cfg.padding_free else "") + run.facts())
     start = resume_from(accelerator, resume, "train_clm")
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config, spec), "world": plan.world,

@@ -153,5 +153,5 @@ def test_recipe_trains_under_sp_as_under_zero3(configs, tmp_path):
         assert "packing bfd" in r.stdout, r.stdout[-3000:]
         if name == "sp2":  # one SP group of 2 ranks reads one data-parallel share
             assert "× 1 ranks × 512" in r.stdout
-            assert "tiled MLP x4 on 4 layers, tiled logits+loss x4, checkpointed activations in host memory" in r.stdout
+            assert "; tiled MLP x4 on 4 layers; tiled logits+loss x4; checkpointed activations in host memory" in r.stdout
     assert len(losses["sp2"]) == 3 and losses["sp2"] == pytest.approx(losses["z3"], abs=TOL)
