@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,11 +107,14 @@ def test_qat_recipe_lora_and_distillation_in_one_process(tmp_path, trained):
     r = subprocess.run([sys.executable, str(RECIPE), "--config", str(QAT_YAML), "--model", str(model), "--output-dir", str(out),
                         "--scheme", "int4wo", "--group-size", "0", "--lora-rank", "4", "--distill", "0.5", "--max-steps", "2",
                         "--lr", "1e-2", *FAST, "--data", "builtin-chat", "--overflow", "split", "--checkpointing", "every:2",
-                        "--tiled-mlp", "2"], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                        "--tiled-mlp", "2", "--tiled-norm", "2", "--offload-activations", "true"], capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "(LoRA r=4)" in r.stdout and "distill 0.5" in r.stdout
-    assert "; checkpointed layers [0, 2]; tiled MLP x2 on 4 layers" in r.stdout
+    # every lever it accepts applies (once accepted and ignored): tiled RMSNorm on each decoder norm, the checkpointed
+    # layers' inputs in host memory
+    assert re.search(r"; checkpointed layers \[0, 2\]; tiled MLP x2 on 4 layers; tiled RMSNorm x2 on \d+ norms; "
+                     r"checkpointed activations in host memory", r.stdout), r.stdout[-2000:]
     trainable = int(r.stdout.split("group per-channel), ")[1].split(" trainable")[0].replace(",", ""))
     assert 0 < trainable < 100_000  # adapters only: r x (in + out) per projection, not the 3M base
     with safe_open(str(out / "quantized" / "model.safetensors"), framework="pt") as st:
