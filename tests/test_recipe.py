@@ -330,6 +330,23 @@ def test_resume_from_a_different_model_refused(one_process_run, tmp_path):
     assert "different model" in r.stderr and "'num_hidden_layers': (4, 2)" in r.stderr
 
 
+def test_resume_on_another_base_refused(one_process_run, tmp_path):
+    """An adapter-only checkpoint (its marker names the base it holds none of: hfscale.train.adapter_ckpt) resumed on
+    another base (here another --seed of the built-in model): one line, exit 2, before any process group or model.
+    The marker is outside the manifest, so the checkpoint stays intact with `base` written into it."""
+    run = tmp_path / "run"
+    shutil.copytree(one_process_run, run)
+    marker = run / "checkpoints" / "step_00000002" / "hfscale_state.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "base": {"source": "tiny-gemma3", "seed": 0, "digest": "0"}}))
+    data = one_process_run.parent
+    r = run_recipe("--config", TINY_YAML, "--output-dir", run, *FAST, "--data", data / "train.jsonl", "--validation",
+                   data / "val.parquet", "--seed", "1", "--resume", "latest")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].endswith("was trained on another base (seed 0 (now 1)); resume with --model "
+                                                 "tiny-gemma3 --seed 0, or start a new --output-dir"), lines
+
+
 # --- real launches: 2 processes ----------------------------------------------------------------------
 
 def launch(config: str, out: Path, *args, env=None, check=True, fault=None, procs=2, signal_after=None, log_dir=None):
