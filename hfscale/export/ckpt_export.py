@@ -95,7 +95,12 @@ def info(ckpt: str | os.PathLike) -> CheckpointInfo:
     return CheckpointInfo(str(ckpt), int(meta.get("step", 0)), facts["engine"], zero, int(facts["ranks"]),
                           facts.get("precision"), meta.get("tokens_per_step"), meta.get("model"),
                           "yes" if why is None else f"no ({why})", universal_dir(ckpt).is_dir(), _adapter(meta),
-                          meta.get("base"))
+                          _base(meta))
+
+
+def _base(meta: dict) -> dict | None:
+    """An adapter-only checkpoint's base (hfscale.train.adapter_ckpt), or None (a marker's base that is not a mapping)."""
+    return meta.get("base") if isinstance(meta.get("base"), dict) else None
 
 
 def _adapter(meta: dict) -> str | None:
@@ -175,7 +180,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, shard_bytes: int = D
     ckpt = Path(ckpt)
     meta = _marker(ckpt)
     check_writable({str(out): "--out"}, force, {str(ckpt): "checkpoint"})
-    if meta.get("base"):  # an adapter-only checkpoint: no base to write a model from
+    if _base(meta):  # an adapter-only checkpoint: no base to write a model from
         raise HfscaleError(f"{ckpt} is an adapter-only checkpoint ({_adapter(meta)}): it holds the adapter and its optimizer, "
                            f"not the base, which export needs ({_base_words(meta['base'])}); the run writes "
                            "OUTPUT_DIR/adapter and OUTPUT_DIR/model (merged into the base) at its end: resume it to the end "

@@ -98,6 +98,9 @@ def check_source(path: Path, saved: dict | None, now: dict) -> None:
     """Before any process group: refuse (one line) an adapter-only checkpoint on another base source or seed."""
     if saved is None:
         return
+    if not isinstance(saved, dict):
+        raise HfscaleError(f"checkpoint {path}'s marker names its base as {saved!r}, not a mapping: the marker was edited; "
+                           "resume from another checkpoint or start a new --output-dir")
     if {k: saved.get(k) for k in now} != now:
         diff = ", ".join(f"{k} {saved.get(k)!r} (now {now[k]!r})" for k in now if saved.get(k) != now[k])
         raise HfscaleError(f"checkpoint {path} holds an adapter without its base and was trained on another base ({diff}); "
