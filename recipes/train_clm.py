@@ -79,6 +79,7 @@ def train(cfg, force, pre, parallel, store) -> int:
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.prepare import prepare_training
     from hfscale.train.state import model_fingerprint, save_final, save_final_adapter
+    from hfscale.train.adapter_ckpt import base_digest, source_key
     from hfscale.data.sampler import data_parallel
 
     # under SP the ranks of one group read the same rows: the batch plan counts groups (hfscale.data.sampler)
@@ -112,10 +113,12 @@ def train(cfg, force, pre, parallel, store) -> int:
               f"{len(train_rows):,} train / {len(val_rows)} eval rows, AdamW {run.adamw}"
               + (f", attention {cfg.attention}" if cfg.attention else "")
               + (", padding-free (one row per micro batch)" if cfg.padding_free else "") + run.facts())
-    start = resume_from(accelerator, resume, "train_clm")
+    # an adapter's checkpoints hold no base: they record which (source, and the live frozen bytes' digest) instead
+    base = {**source_key(cfg.model, cfg.seed), "digest": base_digest(accelerator.unwrap_model(model))} if spec.enabled else None
+    start = resume_from(accelerator, resume, "train_clm", model, base)
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config, spec), "world": plan.world,
-            "tokens_per_step": plan.tokens_per_step, "data_key": store.key}
+            "tokens_per_step": plan.tokens_per_step, "data_key": store.key, **({"base": base} if base else {})}
 
     # --- train ---
     train_steps(accelerator, model, optimizer, cfg, plan, train_rows, val_batches, ckpts, log, start, meta, loss_fn=loss_fn,

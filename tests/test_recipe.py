@@ -330,6 +330,23 @@ def test_resume_from_a_different_model_refused(one_process_run, tmp_path):
     assert "different model" in r.stderr and "'num_hidden_layers': (4, 2)" in r.stderr
 
 
+def test_resume_on_another_base_refused(one_process_run, tmp_path):
+    """An adapter-only checkpoint (its marker names the base it holds none of: hfscale.train.adapter_ckpt) resumed on
+    another base (here another --seed of the built-in model): one line, exit 2, before any process group or model.
+    The marker is outside the manifest, so the checkpoint stays intact with `base` written into it."""
+    run = tmp_path / "run"
+    shutil.copytree(one_process_run, run)
+    marker = run / "checkpoints" / "step_00000002" / "hfscale_state.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "base": {"source": "tiny-gemma3", "seed": 0, "digest": "0"}}))
+    data = one_process_run.parent
+    r = run_recipe("--config", TINY_YAML, "--output-dir", run, *FAST, "--data", data / "train.jsonl", "--validation",
+                   data / "val.parquet", "--seed", "1", "--resume", "latest")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].endswith("was trained on another base (seed 0 (now 1)); resume with --model "
+                                                 "tiny-gemma3 --seed 0, or start a new --output-dir"), lines
+
+
 # --- real launches: 2 processes ----------------------------------------------------------------------
 
 def launch(config: str, out: Path, *args, env=None, check=True, fault=None, procs=2, signal_after=None, log_dir=None):
@@ -852,34 +869,34 @@ def fresh_adapter_model(kind: str, nf4=None):
     return apply_adapter(base, AdapterSpec(kind, rank=8))
 
 
-def checkpoint_frozen(ckpt: Path) -> dict:
-    """The frozen (non-adapter) tensors a checkpoint holds: DDP's model.safetensors, FSDP2's DCP shards, ZeRO-1/2's
-    module (mp_rank_00_model_states.pt), or ZeRO-3's
-    frozen parameter fragments of every rank joined to their shapes plus its module entries that hold data (an NF4
-    base's quantization state: absmax, nested absmax, quant_map, the packed state; every rank holds all of it, and
-    the same) (DeepSpeed's model_states files)."""
+def checkpoint_model_state(ckpt: Path) -> dict:
+    """{name: shape} of the model tensors a checkpoint holds: DDP's model.safetensors, FSDP2's DCP metadata, ZeRO-1/2's
+    module (mp_rank_00_model_states.pt), or ZeRO-3's module entries of every rank (partitioned: empty placeholders),
+    whose frozen parameter fragments must be absent (an adapter run's checkpoint never holds the base)."""
     import torch
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     if (ckpt / "model.safetensors").is_file():
-        return {k: v for k, v in load_file(ckpt / "model.safetensors").items() if "lora_" not in k}
-    if (ckpt / "pytorch_model_fsdp_0").is_dir():  # FSDP2: torch.distributed.checkpoint shards, joined by torch
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    if (ckpt / "pytorch_model_fsdp_0").is_dir():  # FSDP2: torch.distributed.checkpoint's metadata names every tensor
+        from torch.distributed.checkpoint import FileSystemReader
 
-        dcp_to_torch_save(ckpt / "pytorch_model_fsdp_0", ckpt.parent / f"{ckpt.name}.pt")
-        state = torch.load(ckpt.parent / f"{ckpt.name}.pt", map_location="cpu", weights_only=True)["model"]
-        (ckpt.parent / f"{ckpt.name}.pt").unlink()
-        return {k: v for k, v in state.items() if "lora_" not in k}
-    files = sorted((ckpt / "pytorch_model").glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))
-    if not files:  # ZeRO-1/2: the module whole, once (in the engine's dtype)
-        module = torch.load(ckpt / "pytorch_model" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-        return {k: v for k, v in module.items() if "lora_" not in k}
+        meta = FileSystemReader(str(ckpt / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata
+        return {k.removeprefix("model."): tuple(m.size) for k, m in meta.items() if hasattr(m, "size")}
+    files = sorted((ckpt / "pytorch_model").glob("*_model_states.pt"))
     states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-    shapes = states[0]["frozen_param_shapes"]
-    held = [{k: v for k, v in s["module"].items() if torch.is_tensor(v) and v.numel() and "lora_" not in k} for s in states]
-    assert all(h.keys() == held[0].keys() and all(torch.equal(h[k], held[0][k]) for k in h) for h in held)
-    return {**held[0], **{k: torch.cat([s["frozen_param_fragments"][k].flatten() for s in states])[: shape.numel()]
-                          .view(shape) for k, shape in shapes.items()}}
+    assert all(not s.get("frozen_param_fragments") and not s.get("frozen_param_shapes") for s in states)
+    return {k: tuple(v.shape) for s in states for k, v in s["module"].items() if torch.is_tensor(v)}
+
+
+def base_digest_of(kind: str, nf4=None, dtype=None) -> str:
+    """hfscale.train.adapter_ckpt.base_digest of the base the run must have trained on, built here from the source:
+    the seeded tiny Gemma 3 (cast to `dtype`: DeepSpeed's 16-bit module), or for QLoRA quantized with the run's dtypes."""
+    from hfscale.train.adapter_ckpt import base_digest
+
+    fresh = fresh_adapter_model(kind, nf4)
+    return base_digest(fresh.to(dtype) if dtype is not None and not nf4 else fresh)
 
 
 def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
@@ -899,17 +916,19 @@ def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
     final = read_records(out / "metrics.jsonl", "eval")[4]["loss"]
     assert final < eval_loss_of(build_model("tiny-gemma3", seed=0)) - 0.02  # measured 8.33 -> 8.28 (ZeRO-3 LoRA)
 
+    # the checkpoints hold the adapter alone (every trained tensor, nothing of the base: neither its weights nor an NF4
+    # base's quantization state), and name the base they need: its source and the digest of the live frozen base's
+    # bytes, equal to the digest of the base built here from the source (QLoRA: re-quantized with the run's dtypes)
     fresh = fresh_adapter_model(kind, nf4)
-    start = {k: v for k, v in fresh.state_dict().items() if "lora_" not in k}
+    trained = {n: tuple(p.shape) for n, p in fresh.named_parameters() if p.requires_grad}
+    digest = base_digest_of(kind, nf4, torch.bfloat16 if "DEEPSPEED" in log and _launch_precision() == "bf16" else None)
     for step in (2, 4):
-        saved = checkpoint_frozen(out / "checkpoints" / f"step_{step:08d}")
-        assert set(saved) <= set(start) and len(saved) >= len([k for k in start if k.endswith("weight")]) - 1
-        # DeepSpeed bf16: the unquantized weights cast; NF4 weights (and their state) are bytes, compared as bytes
-        # (never cast; bf16 / fp32 storage holds NaN bit patterns, which torch.equal calls unequal to themselves)
-        # (the quantization state too: absmax rounded to bf16, the bitsandbytes repack trap, would hide behind a cast)
-        moved = [k for k, v in saved.items() if not (same_bits(v, start[k]) if nf4 and ".base_layer." in k
-                                                     else torch.equal(v, start[k].to(v.dtype)))]
-        assert moved == [], moved[:3]
+        ckpt = out / "checkpoints" / f"step_{step:08d}"
+        held = checkpoint_model_state(ckpt)
+        assert set(held) == set(trained), sorted(set(held) ^ set(trained))[:3]
+        assert all(held[k] in (trained[k], (0,)) for k in held)  # whole, or ZeRO-3's empty placeholder
+        base = json.loads((ckpt / "hfscale_state.json").read_text())["base"]
+        assert base == {"source": "tiny-gemma3", "seed": 0, "digest": digest}, (base, digest)
 
     expected = {}  # every adapter tensor of every decoder linear, with its full shape
     for name, m in fresh.named_modules():
@@ -940,6 +959,12 @@ def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
     with torch.no_grad():
         a, b, plain = merged(input_ids=ids).logits, on_base(input_ids=ids).logits, build_model("tiny-gemma3")(input_ids=ids).logits
     assert (b - plain).abs().max() > 1e-2 and torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    # the merged base is the source: every tensor outside the adapted linears bit for bit, the adapted ones moved
+    merged, source = merged.state_dict(), build_model("tiny-gemma3", seed=0).state_dict()
+    linears = [k for k in merged if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj")]
+    assert len(linears) == 4 * 7 and all(not torch.equal(merged[k], source[k]) for k in linears)  # the adapter is in it
+    assert all(torch.equal(merged[k], source[k]) for k in merged if k not in linears)  # and nothing else moved
 
 
 @pytest.mark.engine
@@ -955,11 +980,7 @@ def test_ddp_qlora_trains_the_adapter_alone_and_merges_into_the_unquantized_base
 
     # the merged model reaches the edge unchanged: the CLI's GGUF path (hfscale quantize --format gguf --qtype Q8_0 is
     # this call: export_gguf, llama.cpp's check deciding; reload=False skips transformers' optional second GGUF reader)
-    import torch
-    from safetensors.torch import load_file
-
     from hfscale.export import export_gguf
-    from hfscale.models import build_model
 
     gguf = tmp_path / "merged-Q8_0.gguf"
     rec = export_gguf(str(out / "model"), gguf, "Q8_0", progress=False, reload=False)
@@ -969,19 +990,14 @@ def test_ddp_qlora_trains_the_adapter_alone_and_merges_into_the_unquantized_base
     # llama.cpp vs transformers on the merged model: measured top-1 1.000 over 690 positions, max |dlogit| 0.021 (Q8_0),
     # and the merged model's smallest top-1 margin there is 1.84 logits (the untrained base's median is 0.05: it gets 0.946)
     assert v["vs_transformers"]["top1_agreement"] >= 0.98, v["vs_transformers"]
-    merged, base = load_file(str(out / "model" / "model.safetensors")), build_model("tiny-gemma3", seed=0).state_dict()
-    linears = [k for k in merged if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                              "up_proj", "down_proj")]
-    assert len(linears) == 4 * 7 and all(not torch.equal(merged[k], base[k]) for k in linears)  # the adapter is in it
-    assert all(torch.equal(merged[k], base[k]) for k in merged if k not in linears)  # and nothing else moved
 
 
 @pytest.mark.engine
-def test_zero3_qlora_keeps_the_nf4_base_bit_for_bit_in_every_checkpoint(tmp_path):
+def test_zero3_qlora_trains_on_the_nf4_base_bit_for_bit_and_saves_none_of_it(tmp_path):
     """QLoRA under ZeRO-3 (2 ranks): the NF4 base packed in the run's dtype (bf16, or fp32 where precision auto is
-    fp32: hfscale.scale.adapters.nf4_storage) and partitioned by DeepSpeed; its packed weights (the checkpoint's
-    frozen fragments) and quantization state (the module entries) bit for bit as a base quantized with the run's
-    dtypes, in both checkpoints; the adapter gathered whole, reloaded on that base to the live eval, merged into the
+    fp32: hfscale.scale.adapters.nf4_storage) and partitioned by DeepSpeed; the checkpoints hold the adapter alone
+    (no frozen fragments, no quantization state), and the live base's digest in both equals that of a base quantized
+    here with the run's dtypes (packed weights and quantization state, bit for bit); the adapter gathered whole, reloaded on that base to the live eval, merged into the
     fp32 base. QLoRA was refused here while the check compared the NF4 weights with torch.equal (their bf16 bit
     patterns include NaNs: unequal even to a copy) and with a base quantized from fp32 into uint8 storage (other NF4
     codes): all 28 weights 'moved'. Its step-2 checkpoint resumed on 1 rank (universal) followed the
@@ -993,19 +1009,20 @@ def test_zero3_qlora_keeps_the_nf4_base_bit_for_bit_in_every_checkpoint(tmp_path
     assert "QLoRA r8 (alpha 16): 135,168 trained" in log and "DistributedType.DEEPSPEED world 2" in log
     nf4 = qlora_dtypes(_launch_precision(), 3, False)
     assert nf4[1] == nf4[0] == {"bf16": torch.bfloat16, "fp32": torch.float32}[_launch_precision()]
-    saved = checkpoint_frozen(out / "checkpoints" / "step_00000004")
-    q = saved["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    # the base re-quantized here with the run's dtypes, whose digest (names, dtypes, shapes, packed bytes, quantization
+    # state) assert_adapter_run finds in both checkpoints' markers: what the run trained on, though no checkpoint holds it
+    fresh = fresh_adapter_model("qlora", nf4)
+    q = fresh.get_parameter("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
     assert q.dtype == nf4[1] and q.numel() * q.element_size() == 192 * 192 // 2  # 4 bits a weight, in the storage dtype
-    assert len([k for k in saved if k.endswith(".absmax")]) == 28  # the quantization state is in the checkpoint
+    assert len([p for p in fresh.parameters() if getattr(p, "quant_state", None) is not None]) == 28
     assert_adapter_run(out, log, "qlora", nf4=nf4)
 
 
 def assert_adapter_only_states(ckpt: Path, trained: int, tensors: int) -> dict:
-    """An adapter run's checkpoint holds Adam's state for the trained (adapter) tensors alone, never sized for the
-    frozen base: DDP's optimizer.bin (fp32 exp_avg / exp_avg_sq per trained tensor), ZeRO-3's per-rank optim_states
-    (the fp32 master partition and its two moments); the frozen base is there once, in the module's dtype (DDP's
-    model.safetensors, ZeRO-3's frozen_param_fragments), to resume and reshard without the base's source.
-    Returns the bytes by part."""
+    """An adapter run's checkpoint holds the trained (adapter) tensors and Adam's state for them alone, never the base:
+    DDP's model.safetensors (the adapter, fp32) and optimizer.bin (fp32 exp_avg / exp_avg_sq per trained tensor),
+    ZeRO-3's per-rank optim_states (the fp32 master partition and its two moments) and model_states (no frozen
+    fragments; the module's entries are the adapter's empty placeholders). Returns the bytes by part."""
     import torch
     from safetensors import safe_open
 
@@ -1018,9 +1035,9 @@ def assert_adapter_only_states(ckpt: Path, trained: int, tensors: int) -> dict:
         files = [ckpt / "optimizer.bin"]
         with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
             shapes = {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
-        frozen = {k: v for k, v in shapes.items() if "lora_" not in k}
-        frozen_bytes = sum(torch.Size(sh).numel() * 4 for sh, dt in frozen.values())
-        assert {dt for _, dt in frozen.values()} == {"F32"}
+        assert len(shapes) == tensors and {dt for _, dt in shapes.values()} == {"F32"}
+        assert sum(torch.Size(sh).numel() for sh, _ in shapes.values()) == trained  # the adapter, nothing else
+        model_files = [ckpt / "model.safetensors"]
         # exp_avg + exp_avg_sq: 8 B per trained element, + each tensor's step (a scalar); the weights are the model's
         assert 0 <= opt - 8 * trained <= 8 * tensors, opt
     else:  # ZeRO-3: each rank's partition of every trained tensor (the adapter's are all of even size: no padding)
@@ -1032,17 +1049,21 @@ def assert_adapter_only_states(ckpt: Path, trained: int, tensors: int) -> dict:
         assert {t.dtype for p in parts for t in p["fp32_flat_groups"]} == {torch.float32}
         opt = sum(t.numel() * t.element_size() for p in parts for t in [*p["fp32_flat_groups"],
                   *p["optimizer_state_dict"]["state"][0].values()] if torch.is_tensor(t))
-        models = [torch.load(f, map_location="cpu", weights_only=False)
-                  for f in sorted((ckpt / "pytorch_model").glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))]
+        model_files = sorted((ckpt / "pytorch_model").glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))
+        models = [torch.load(f, map_location="cpu", weights_only=False) for f in model_files]
         assert sum(t.numel() for m in models for t in m["module"].values()) == 0  # partitioned: nothing in the module
-        frozen_bytes = sum(t.numel() * t.element_size() for m in models for t in m["frozen_param_fragments"].values())
-        assert sum(t.numel() for m in models for t in m["frozen_param_fragments"].values()) == 3_001_920
+        assert all(not m.get("frozen_param_fragments") for m in models)  # exclude_frozen_parameters: no base
         # fp32 master + exp_avg + exp_avg_sq: 12 B per trained element, + each rank's step (a scalar)
         assert 0 <= opt - 12 * trained <= 8 * len(files), opt
     # the rest of each file is pickle and config (measured 68 KB under DDP); Adam sized for the base would add >= 24 MB
     overhead = sum(f.stat().st_size for f in files) - opt
     assert 0 <= overhead < 128 * 1024, overhead
-    return {"optimizer": opt, "optimizer_files": sum(f.stat().st_size for f in files), "frozen_base": frozen_bytes}
+    # the whole checkpoint: the adapter, its optimizer, RNG states, marker; it held 12 MB of fp32 (DDP) or 6 MB of bf16
+    # (ZeRO-3) base before it became adapter-only; 16 B per trained element + 256 KB covers what it now holds
+    total = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    assert total < 16 * trained + 256 * 1024, total
+    return {"optimizer": opt, "optimizer_files": sum(f.stat().st_size for f in files),
+            "model_files": sum(f.stat().st_size for f in model_files), "checkpoint": total}
 
 
 @pytest.mark.engine
@@ -1065,7 +1086,8 @@ def test_zero3_dora_trains_saves_and_resumes_on_1_rank(tmp_path):
 
     i = info(ref / "checkpoints" / "step_00000004")
     assert i.adapter == "DoRA r8 (alpha 16)" and "adapter DoRA r8 (alpha 16) on a frozen base" in i.lines()[1]
-    with pytest.raises(HfscaleError, match="checkpoint of an adapter run"):  # not a model dir of peft-named tensors
+    assert i.lines()[2].startswith("adapter only: the base is not in it; it needs tiny-gemma3 seed 0 (frozen base digest ")
+    with pytest.raises(HfscaleError, match="adapter-only checkpoint .*not the base, which export needs"):
         export(ref / "checkpoints" / "step_00000004", tmp_path / "export")
     assert not (tmp_path / "export").exists()
     out = tmp_path / "run"

@@ -36,6 +36,7 @@ class CheckpointInfo:
     intact: str  # "yes", or what is wrong
     universal: bool  # a DeepSpeed universal conversion sits beside it
     adapter: str | None = None  # an adapter run's checkpoint (hfscale.scale.adapters): the spec, described
+    base: dict | None = None  # an adapter-only checkpoint's base, which it does not hold (hfscale.train.adapter_ckpt)
 
     @property
     def tokens_seen(self) -> int | None:
@@ -48,7 +49,13 @@ class CheckpointInfo:
                 f"{self.precision or 'precision unknown'}, {seen}",
                 f"model {self.model}; intact: {self.intact}"
                 + ("; universal conversion beside it" if self.universal else "")
-                + (f"; adapter {self.adapter} on a frozen base" if self.adapter else "")]
+                + (f"; adapter {self.adapter} on a frozen base" if self.adapter else "")] + (
+            [f"adapter only: the base is not in it; it needs {_base_words(self.base)}"] if self.base else [])
+
+
+def _base_words(base: dict) -> str:
+    seed = f" seed {base['seed']}" if "seed" in base else ""
+    return f"{base.get('source')}{seed} (frozen base digest {base.get('digest')})"
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,13 @@ def info(ckpt: str | os.PathLike) -> CheckpointInfo:
         zero = zero_pieces(ckpt / DS_TAG)[1]["zero"]
     return CheckpointInfo(str(ckpt), int(meta.get("step", 0)), facts["engine"], zero, int(facts["ranks"]),
                           facts.get("precision"), meta.get("tokens_per_step"), meta.get("model"),
-                          "yes" if why is None else f"no ({why})", universal_dir(ckpt).is_dir(), _adapter(meta))
+                          "yes" if why is None else f"no ({why})", universal_dir(ckpt).is_dir(), _adapter(meta),
+                          _base(meta))
+
+
+def _base(meta: dict) -> dict | None:
+    """An adapter-only checkpoint's base (hfscale.train.adapter_ckpt), or None (a marker's base that is not a mapping)."""
+    return meta.get("base") if isinstance(meta.get("base"), dict) else None
 
 
 def _adapter(meta: dict) -> str | None:
@@ -167,6 +180,11 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, shard_bytes: int = D
     ckpt = Path(ckpt)
     meta = _marker(ckpt)
     check_writable({str(out): "--out"}, force, {str(ckpt): "checkpoint"})
+    if _base(meta):  # an adapter-only checkpoint: no base to write a model from
+        raise HfscaleError(f"{ckpt} is an adapter-only checkpoint ({_adapter(meta)}): it holds the adapter and its optimizer, "
+                           f"not the base, which export needs ({_base_words(meta['base'])}); the run writes "
+                           "OUTPUT_DIR/adapter and OUTPUT_DIR/model (merged into the base) at its end: resume it to the end "
+                           "with --resume latest, or use those")
     if (adapter := _adapter(meta)) is not None:  # its trained tensors are the adapter's, under peft's names
         raise HfscaleError(f"{ckpt} is a checkpoint of an adapter run ({adapter}); its end is written as OUTPUT_DIR/adapter "
                            "and OUTPUT_DIR/model (merged); exporting an adapter checkpoint is not supported yet: use those, or "

@@ -68,6 +68,7 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
     from ..data.sampler import plan_batch
     from .reshape import check_reshape
     from .state import Checkpoints, model_fingerprint
+    from .adapter_ckpt import check_source, source_key
 
     launch = read_launch(os.environ)  # the recipe's edge: the launcher's environment is read here, once
     check_run_outputs(cfg)
@@ -86,6 +87,7 @@ def preflight(cfg, force: bool, source: str | None = None) -> Preflight:
                            "a new --output-dir")
     if resume is not None:
         check_reshape(resume.path, resume.meta, launch.world, launch.deepspeed)
+        check_source(resume.path, resume.meta.get("base"), source_key(cfg.model, cfg.seed))  # adapter-only: its base
     out = Path(cfg.output_dir)
     if resume is None and not force and (ckpts.complete() or (out / "model").exists()):
         raise HfscaleError(f"{out} already holds a run; pass --resume latest to continue it, --force to start over, "
@@ -236,15 +238,18 @@ def evaluate(model, accelerator, val, micro_batch: int) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-def resume_from(accelerator, resume, tag: str) -> int:
+def resume_from(accelerator, resume, tag: str, model=None, base: dict | None = None) -> int:
     """Collective. Load the checkpoint preflight chose (state.Resume) and return its step. Every rank checked it
     against its manifest; here they agree on it. Saved on another rank count: DeepSpeed's universal checkpoint
-    (hfscale.train.reshape), said in one line."""
+    (hfscale.train.reshape), said in one line. An adapter-only checkpoint (its marker's `base`,
+    hfscale.train.adapter_ckpt) loads over `model`'s base, built from the source, whose digest (`base`) must match."""
+    import contextlib
+
     from accelerate.utils import gather_object
 
     from ..util.errors import HfscaleError
-    from .step import deepspeed_engine
-    from .reshape import load_universal, saved_facts
+    from .adapter_ckpt import adapter_only, check_digest
+    from .reshape import saved_facts
 
     if resume is None:
         return 0
@@ -257,6 +262,18 @@ def resume_from(accelerator, resume, tag: str) -> int:
         print(f"[{tag}] {resume.note()}", flush=True)
     saved = saved_facts(resume.path, resume.meta)["ranks"]
     now = accelerator.num_processes
+    scope = contextlib.nullcontext()
+    if resume.meta.get("base"):  # adapter-only: the base is this run's, built from the source; it must be the same
+        check_digest(resume.path, resume.meta["base"], (base or {}).get("digest"))
+        scope = adapter_only(accelerator, model)
+    with scope:
+        return _load(accelerator, resume, tag, saved, now)
+
+
+def _load(accelerator, resume, tag: str, saved: int, now: int) -> int:
+    from .step import deepspeed_engine
+    from .reshape import load_universal
+
     if saved != now and deepspeed_engine(accelerator) is not None:
         target, how = load_universal(accelerator, resume.path)
         if accelerator.is_main_process:
@@ -265,7 +282,9 @@ def resume_from(accelerator, resume, tag: str) -> int:
     else:
         accelerator.load_state(str(resume.path))
         if accelerator.is_main_process:
-            moved = f" (saved by {saved} ranks, now {now}: DDP state is whole on every rank)" if saved != now else ""
+            how = ("torch.distributed.checkpoint reshards it" if "FSDP" in str(accelerator.distributed_type)
+                   else "DDP state is whole on every rank")
+            moved = f" (saved by {saved} ranks, now {now}: {how})" if saved != now else ""
             print(f"[{tag}] resumed from {resume.path} at step {resume.step}{moved}", flush=True)
     return resume.step
 
@@ -380,7 +399,7 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
     model.train()
     prof = MemoryProfiler(model, optimizer, deepspeed_engine(accelerator)) if cfg.profile_memory else None
-    if cfg.save_every and accelerator.is_main_process and (note := ckpts.space_note(model, accelerator)):
+    if cfg.save_every and accelerator.is_main_process and (note := ckpts.space_note(model, accelerator, bool(meta.get("base")))):
         print(f"[{tag}] warning: {note}", flush=True)
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", disable=not (accelerator.is_main_process and cfg.progress))
     for step in range(start, cfg.max_steps):
@@ -438,10 +457,10 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
             log.write({"kind": "eval", "step": done, "loss": ev, "ppl": math.exp(ev)})
         saved = cfg.save_every and (done % cfg.save_every == 0 or done == cfg.max_steps)
         if saved:
-            ckpts.save(accelerator, done, meta)
+            ckpts.save(accelerator, done, meta, model)
         if stopping and done < cfg.max_steps:
             if not saved:
-                ckpts.save(accelerator, done, meta)
+                ckpts.save(accelerator, done, meta, model)
             bar.close()
             if own:
                 stop.uninstall()

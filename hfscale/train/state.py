@@ -165,7 +165,7 @@ class Checkpoints:
                                "may change: accumulation is re-derived)")
         return Resume(path, meta, tuple(skipped))
 
-    def space_note(self, model, accelerator) -> str | None:
+    def space_note(self, model, accelerator, adapter_only: bool = False) -> str | None:
         """One line if the output directory's file system cannot hold keep_last checkpoints plus the one being
         written (estimated from the newest checkpoint's manifest, else from the model), else None."""
         done = self.complete()
@@ -174,14 +174,14 @@ class Checkpoints:
             files = json.loads((done[-1][1] / MARKER).read_text()).get("files")
             per = sum(v[0] for v in files.values()) if files else None
         if per is None:  # trained: fp32 weights + two fp32 Adam moments = 12 bytes/param; DeepSpeed adds its module's
-            from .reshape import engine_facts  # copy; a frozen base (adapters) is saved as its weights alone
+            from .reshape import engine_facts  # copy; a frozen base is saved as its weights alone, or not (adapter_only)
 
             facts = engine_facts(accelerator)
             module = 0 if facts["engine"] != "deepspeed" else 2 if facts.get("precision") in ("bf16", "fp16") else 4
             unwrapped = accelerator.unwrap_model(model)
             trained = sum(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters() if p.requires_grad)
             frozen = unique_numel(unwrapped) - trained
-            per = trained * (12 + module) + frozen * (module or 4)
+            per = trained * (12 + module) + (0 if adapter_only else frozen * (module or 4))
         held = sum(f.stat().st_size for _, d in done[-self.keep_last:] for f in d.rglob("*") if f.is_file())
         probe = self.root if self.root.exists() else self.root.parent
         free = shutil.disk_usage(probe).free
@@ -192,10 +192,15 @@ class Checkpoints:
                 f"plus the one being written need {need / 2**20:,.0f} MiB: free space, lower --keep-last, or choose "
                 "another --output-dir (a save that runs out of space stops the run)")
 
-    def save(self, accelerator, step: int, meta: dict) -> Path:
+    def save(self, accelerator, step: int, meta: dict, model=None) -> Path:
         """Collective: every rank calls it. Returns the completed checkpoint directory, or raises
-        CheckpointWriteError on every rank (stage removed, previous checkpoints kept)."""
+        CheckpointWriteError on every rank (stage removed, previous checkpoints kept). A `meta` with `base` (an adapter
+        run, hfscale.train.adapter_ckpt) saves `model`'s trained tensors and their optimizer alone, never the base."""
+        import contextlib
+
         from accelerate.utils import broadcast_object_list, gather_object
+
+        from .adapter_ckpt import adapter_only
 
         from ..util.atomic import begin_stage, commit, discard, write_text_atomic
         from . import manifest
@@ -203,6 +208,8 @@ class Checkpoints:
 
         final = self.root / f"{PREFIX}{step:08d}"
         rank, world = accelerator.process_index, accelerator.num_processes
+        scope = contextlib.ExitStack()
+        save_kwargs = scope.enter_context(adapter_only(accelerator, model)) if meta.get("base") else {}  # refused: nothing staged
         # the main rank makes the stage; its name (pid-specific) is broadcast, which is also the barrier
         stage = [None]
         if accelerator.is_main_process:
@@ -212,11 +219,13 @@ class Checkpoints:
                 stage = [f"error: {e}"]
         stage = broadcast_object_list(stage)[0]
         if stage.startswith("error: "):
+            scope.close()
             raise CheckpointWriteError(f"checkpoint {final.name}: {stage[7:]}")
         stage = Path(stage)
         failed, hashed = None, {}
         try:
-            accelerator.save_state(str(stage))  # model, optimizer (ZeRO shards per rank), RNG states
+            with scope:
+                accelerator.save_state(str(stage), **save_kwargs)  # model, optimizer (ZeRO shards per rank), RNG states
         except (OSError, RuntimeError) as e:  # ENOSPC reaches here as torch's "basic_ios::clear: iostream error"
             failed = _write_failure(e)
         fault("save", step, rank)
