@@ -271,7 +271,7 @@ def packed_rows(micro_batch: int, seq_len: int, vocab_size: int, docs: int = 4) 
     two documents per row transformers finds the rows packed."""
     import torch
 
-    docs = max(1, min(docs, seq_len))
+    docs = _docs_per_row(seq_len, docs)
     n = seq_len // docs
     pos = torch.cat([torch.arange(n)] * (docs - 1) + [torch.arange(seq_len - (docs - 1) * n)])
     ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
@@ -279,11 +279,23 @@ def packed_rows(micro_batch: int, seq_len: int, vocab_size: int, docs: int = 4) 
     return {"input_ids": ids, "labels": labels, "position_ids": pos.expand(micro_batch, seq_len).clone()}
 
 
+def _docs_per_row(seq_len: int, docs: int = 4) -> int:
+    return max(1, min(docs, seq_len))
+
+
 def _loss(model, batch):
-    """One micro batch's loss as the recipes compute it: full blocks (labels = inputs) or a packed batch."""
+    """One micro batch's loss as the recipes compute it: full blocks (labels = inputs) or a packed batch. The loss
+    runs the LM head at the trained positions only (hfscale.models.loss.trained_positions), a count fake tensors
+    cannot read: `packed_rows` trains all but each document's first token, (seq_len - docs) per row."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     from ..models.loss import lm_loss
 
-    return lm_loss(model, batch)
+    trained = None
+    if isinstance(batch, dict) and isinstance(batch["labels"], FakeTensor):
+        rows, seq_len = batch["labels"].shape
+        trained = rows * (seq_len - _docs_per_row(seq_len))
+    return lm_loss(model, batch, trained=trained)
 
 
 def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=DEFAULT_ADAMW, levers=None, packing=False):
