@@ -153,7 +153,8 @@ def summary(res: dict, host: str, when: str) -> dict:
     """One line of the run history: what ran, and the padding-free median per seq_len."""
     return {"when": when, "host": host, "docs": res["docs"]["docs"], "rounds": len(res["rounds"]), "took": res.get("took"),
             "loads": [round(g["load"], 1) for g in res["rounds"]],
-            "flat": {L: r["vs"]["flat"]["thread_s"]["median"] for L, r in res["seq_lens"].items() if "flat" in r["vs"]}}
+            "flat": {L: r["vs"]["flat"]["thread_s"]["median"] for L, r in res["seq_lens"].items() if "flat" in r["vs"]},
+            "changes": "LM head at the trained positions, glibc thresholds set"}
 
 
 def d_report(r: dict) -> list[str]:
@@ -225,7 +226,7 @@ def d_report(r: dict) -> list[str]:
                   "fwd + bwd). The same benchmark with glibc's mmap turned off for both passes "
                   f"(`{diag['env']} python benchmarks/data_throughput.py --seq-lens 1024,512 --rounds {diag['rounds']}`) "
                   "gave padding-free vs padded " + ", ".join(f"{x:.2f}x at {L}" for L, x in diag["flat"].items())
-                  + " (per round at 1024: " + ", ".join(f"{x:.2f}" for x in diag["ratios_1024"]) + "). The recipes do not "
+                  + " (per round at 1024: " + ", ".join(f"{x:.2f}" for x in diag["ratios_1024"]) + "). The recipes did not then "
                   "change the allocator; on GPUs the caching allocator reuses its blocks.", ""]
     head = r.get("d_head")
     if head:
@@ -234,13 +235,19 @@ def d_report(r: dict) -> list[str]:
                   f"cross-entropy at the trained positions only (both layouts: the same loss), so a padding-free micro batch "
                   f"at 1024 has logits for its ~1,400 trained tokens (~23 MiB fp32), not for its ~3,700 real ones. One "
                   f"process, the seq_len 1024 micro batches of this benchmark, the old loss (the model's own, over every "
-                  f"position) and the new one interleaved over {head['rounds']} rounds (`{head['command']}`): "
+                  f"position) and the new one interleaved over {head['rounds']} rounds ({head['command']}): "
                   + "; ".join(f"{name} loss: padded {v['padded_s']:.2f} s, padding-free {v['flat_s']:.2f} s (thread CPU "
                               f"medians), padding-free minor page faults {v['flat_faults']:,} per pass (padded "
                               f"{v['padded_faults']:,}), padding-free vs padded {v['median']:.2f}x (per round "
                               + ", ".join(f"{x:.2f}" for x in v["ratios"]) + ")" for name, v in head["losses"].items())
                   + ". Both layouts gain from training's share of the logits (38% of the real tokens here), the "
                   "padding-free one more: its logits no longer cross glibc's mmap threshold.", ""]
+        a = head.get("allocator")
+        if a:
+            lines += [f"With glibc's thresholds set as well ({a['note']}): padding-free minor faults per pass "
+                      f"{a['flat_faults_set']} with them, {a['flat_faults_default']} without; padding-free vs padded "
+                      f"{a['median_set']:.2f}x ({a['rounds_set']} rounds) with them, {a['median_default']:.2f}x "
+                      f"({a['rounds_default']} rounds) without: {a['verdict']}", ""]
     runs = r.get("d_runs", [])
     if runs:
         lines += ["Every run of (d) so far (padding-free vs padded, thread CPU medians; the layout before this "
@@ -250,7 +257,7 @@ def d_report(r: dict) -> list[str]:
         for s in runs:
             took = s.get("took")
             took = f"{took['wall_s'] / 60:.1f} / {took['cpu_s'] / 60:.1f} min" if took else "not recorded"
-            lines.append(f"| {s['when']} | {s['host']} | {s['docs']} | {s['rounds']} | {took} | {', '.join(map(str, s['loads']))} | "
+            lines.append(f"| {s['when']}{' (' + s['changes'] + ')' if s.get('changes') else ''} | {s['host']} | {s['docs']} | {s['rounds']} | {took} | {', '.join(map(str, s['loads']))} | "
                          + ", ".join(f"{x:.2f}x at {L}" for L, x in s["flat"].items()) + " |")
         lines.append("")
     return lines
