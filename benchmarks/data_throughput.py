@@ -4,7 +4,8 @@ rows padded to the micro batch's longest, on the same conversations (issue 36, D
 Everything a pass reads comes from the data layer as a recipe reads it: `hfscale.data.prepare` makes one store per
 (seq_len, packing) from the same conversations (format messages, train_on assistant, overflow truncate, nothing
 held out), `MicroBatches` walks its rows `batch` at a time through `PackedCollator`, and `hfscale.models.loss.lm_loss`
-takes the recipe's loss (the sum over trained tokens / the pass's trained-token count) before each backward.
+takes the recipe's loss (the sum over trained tokens / the pass's trained-token count, the LM head and cross-entropy
+at the trained positions only) before each backward.
 
 Passes (D_PASSES; the default two are the comparison, `packed` and `varlen` only say where the gain comes from):
   padded  packing none (one conversation per row), collated to the micro batch's longest row, sdpa: the baseline
@@ -13,7 +14,8 @@ Passes (D_PASSES; the default two are the comparison, `packed` and `varlen` only
   varlen  packing bfd, rows padded to seq_len, hfscale.models.varlen
   packed  packing bfd, rows padded to seq_len, sdpa (transformers' block-diagonal mask)
 
-Measured to survive a shared host: one torch thread, every (seq_len, pass) interleaved in each round (the order
+The process sets glibc's malloc as a recipe's CPU process does (hfscale.util.allocator: freed memory kept for the next
+step). Measured to survive a shared host: one torch thread, every (seq_len, pass) interleaved in each round (the order
 reversed every other round), each timed by wall clock, process CPU and this thread's CPU (`time.thread_time`: the
 thread doing the work, so time the host gives other jobs is not counted); per round the ratio baseline time / pass
 time (= the pass's trained tokens/s over the baseline's: both hold the same trained tokens, asserted), then the
@@ -83,7 +85,10 @@ def bench_throughput(n_docs: int = 128, seq_lens=(512, 1024), batch: int = 4, ro
     from hfscale.models.loss import lm_loss, trained_tokens
     from hfscale.models.varlen import set_attention_
 
+    from hfscale.util.allocator import retain_freed_memory
+
     torch.set_num_threads(1)
+    retain_freed_memory()  # as every recipe's CPU process (hfscale.train.recipe.run_recipe), for both layouts
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         drawn = chat_subset(tmp / "chat.jsonl", n_docs)
@@ -148,7 +153,8 @@ def summary(res: dict, host: str, when: str) -> dict:
     """One line of the run history: what ran, and the padding-free median per seq_len."""
     return {"when": when, "host": host, "docs": res["docs"]["docs"], "rounds": len(res["rounds"]), "took": res.get("took"),
             "loads": [round(g["load"], 1) for g in res["rounds"]],
-            "flat": {L: r["vs"]["flat"]["thread_s"]["median"] for L, r in res["seq_lens"].items() if "flat" in r["vs"]}}
+            "flat": {L: r["vs"]["flat"]["thread_s"]["median"] for L, r in res["seq_lens"].items() if "flat" in r["vs"]},
+            "changes": "LM head at the trained positions, glibc thresholds set"}
 
 
 def d_report(r: dict) -> list[str]:
@@ -163,7 +169,9 @@ def d_report(r: dict) -> list[str]:
              f"turns trained, truncated to seq_len); forward + backward of the tiny Gemma 3 (fp32, `use_cache=False`; 3 of "
              f"its 4 layers slide a 64-token window), **one torch thread**, micro batches of {d['batch']} rows read by "
              "`hfscale.data.dataset.MicroBatches` through `PackedCollator`, loss `hfscale.models.loss.lm_loss` (the "
-             "recipe's: the sum over trained tokens / their count). Passes: "
+             "recipe's: the sum over trained tokens / their count, the LM head and cross-entropy at the trained positions "
+             "only, in both layouts), glibc's malloc set as in a recipe's CPU process (`hfscale.util.allocator`: freed "
+             "memory kept for the next step). Passes: "
              + "; ".join(f"**{n}** {D_PASSES[n][0]}" for n in d["passes"]) + ". Every pass of a seq_len holds the "
              f"same trained tokens (asserted). {len(d['rounds'])} rounds, each running every (seq_len, pass) in turn, the "
              "order reversed every other round; each pass timed by wall clock, process CPU and the working thread's "
@@ -198,14 +206,16 @@ def d_report(r: dict) -> list[str]:
         bound = ", ".join(f"{t['slots'][base] / t['slots']['flat']:.2f}x at {L}" for L, t in d["seq_lens"].items())
         lines += [f"**Target >= 1.5x (padding-free vs padded): {verdict}** on this host (CPU, the tiny model, thread CPU "
                   "time): " + ", ".join(f"{x:.2f}x at {L}" for L, x in flat.items()) + f". The padded baseline holds "
-                  f"{bound} the padding-free layout's token slots: the per-token work (the MLPs, the 4,096-id LM head, the "
-                  "loss) is the same in both, so that is about what padding-free can gain, plus what the varlen kernel "
+                  f"{bound} the padding-free layout's token slots: the per-slot work (embeddings, norms, the MLPs) is the same "
+                  "in both and the 4,096-id LM head and the loss run on the same trained tokens in both, so padding-free "
+                  "gains at most that ratio on the first and nothing on the second, plus what the varlen kernel "
                   "saves on attention (each document's own causal block, and only the keys the 64-token window shows in "
                   "documents of >= 3 windows, against sdpa's masked [B, L, L] on the padded rows). flash-attention's "
                   "own varlen kernel (CUDA) was not run.", ""]
     diag = r.get("d_allocator")
     if diag:
-        lines += [f"Diagnostic, not the measurement ({diag['when']}, {diag['host']}; load after each round "
+        lines += [f"Diagnostic, not the measurement, from before the loss ran the LM head at the trained positions only "
+                  f"({diag['when']}, {diag['host']}; load after each round "
                   f"{', '.join(map(str, diag['loads']))}): the padding-free micro batch at seq_len 1024 holds ~3,700 tokens, "
                   "so its fp32 logits and their gradients (~3,700 x 4,096 x 4 B = ~60 MiB each) are above glibc's largest "
                   "mmap threshold (32 MiB): every such tensor is mapped fresh and page-faulted in (measured: log_softmax on "
@@ -216,8 +226,28 @@ def d_report(r: dict) -> list[str]:
                   "fwd + bwd). The same benchmark with glibc's mmap turned off for both passes "
                   f"(`{diag['env']} python benchmarks/data_throughput.py --seq-lens 1024,512 --rounds {diag['rounds']}`) "
                   "gave padding-free vs padded " + ", ".join(f"{x:.2f}x at {L}" for L, x in diag["flat"].items())
-                  + " (per round at 1024: " + ", ".join(f"{x:.2f}" for x in diag["ratios_1024"]) + "). The recipes do not "
+                  + " (per round at 1024: " + ", ".join(f"{x:.2f}" for x in diag["ratios_1024"]) + "). The recipes did not then "
                   "change the allocator; on GPUs the caching allocator reuses its blocks.", ""]
+    head = r.get("d_head")
+    if head:
+        lines += [f"The fix, measured as a diagnostic ({head['when']}, {head['host']}; load after each round "
+                  f"{', '.join(map(str, head['loads']))}): `hfscale.models.loss.lm_loss` runs the LM head and the "
+                  f"cross-entropy at the trained positions only (both layouts: the same loss), so a padding-free micro batch "
+                  f"at 1024 has logits for its ~1,400 trained tokens (~23 MiB fp32), not for its ~3,700 real ones. One "
+                  f"process, the seq_len 1024 micro batches of this benchmark, the old loss (the model's own, over every "
+                  f"position) and the new one interleaved over {head['rounds']} rounds ({head['command']}): "
+                  + "; ".join(f"{name} loss: padded {v['padded_s']:.2f} s, padding-free {v['flat_s']:.2f} s (thread CPU "
+                              f"medians), padding-free minor page faults {v['flat_faults']:,} per pass (padded "
+                              f"{v['padded_faults']:,}), padding-free vs padded {v['median']:.2f}x (per round "
+                              + ", ".join(f"{x:.2f}" for x in v["ratios"]) + ")" for name, v in head["losses"].items())
+                  + ". Both layouts gain from training's share of the logits (38% of the real tokens here), the "
+                  "padding-free one more: its logits no longer cross glibc's mmap threshold.", ""]
+        a = head.get("allocator")
+        if a:
+            lines += [f"With glibc's thresholds set as well ({a['note']}): padding-free minor faults per pass "
+                      f"{a['flat_faults_set']} with them, {a['flat_faults_default']} without; padding-free vs padded "
+                      f"{a['median_set']:.2f}x ({a['rounds_set']} rounds) with them, {a['median_default']:.2f}x "
+                      f"({a['rounds_default']} rounds) without: {a['verdict']}", ""]
     runs = r.get("d_runs", [])
     if runs:
         lines += ["Every run of (d) so far (padding-free vs padded, thread CPU medians; the layout before this "
@@ -227,7 +257,7 @@ def d_report(r: dict) -> list[str]:
         for s in runs:
             took = s.get("took")
             took = f"{took['wall_s'] / 60:.1f} / {took['cpu_s'] / 60:.1f} min" if took else "not recorded"
-            lines.append(f"| {s['when']} | {s['host']} | {s['docs']} | {s['rounds']} | {took} | {', '.join(map(str, s['loads']))} | "
+            lines.append(f"| {s['when']}{' (' + s['changes'] + ')' if s.get('changes') else ''} | {s['host']} | {s['docs']} | {s['rounds']} | {took} | {', '.join(map(str, s['loads']))} | "
                          + ", ".join(f"{x:.2f}x at {L}" for L, x in s["flat"].items()) + " |")
         lines.append("")
     return lines

@@ -159,6 +159,31 @@ def test_untrained_tokens_contribute_exactly_zero():
     assert torch.equal(token_nll(other, batch["labels"])[0], nll.detach())
 
 
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_head_runs_at_trained_positions_only(family):
+    """lm_loss hands the LM head the trained positions only: its logits are [1, N, V] for the N trained tokens
+    of the two rows (265 of 320 positions), and the loss and gradients equal the model's own loss over the full
+    [2, 160, V] logits (Gemma 3 with its final soft-capping on: 30.0 set here). A head given one position too
+    many or too few, or the wrong ones, moves the loss by far more than the tolerance (the model's own loss of
+    the same batch with its labels shifted by one is checked to differ). The hook is gone afterwards."""
+    model = _model(family, "sdpa")
+    if family == "gemma3":
+        model.config.final_logit_softcapping = 30.0
+    batch, _ = _batch(model.config.vocab_size)
+    n = int(trained_tokens(batch["labels"]))
+    head, shapes = model.get_output_embeddings(), []
+    seen = head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    loss, grads = _packed(model, batch, n)
+    seen.remove()
+    assert n == 265 and shapes == [(1, n, model.config.vocab_size)] and not head._forward_pre_hooks
+    model.zero_grad()
+    ref = model(**forward_kwargs(batch, "sdpa"), num_items_in_batch=n).loss
+    ref.backward()
+    assert _close(loss, ref.detach(), LOSS_RTOL) and _close(grads, _grads(model), GRAD_RTOL)
+    off = {**batch, "labels": torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)}
+    assert not _close(_loss_only(model, forward_kwargs(off, "sdpa"), n), ref.detach(), 10 * LOSS_RTOL)
+
+
 def test_two_micro_batches_normalise_by_the_step_count():
     """Micro batches of 20 and of 156 trained tokens: the shares over the step's count add up to the one batch's
     sum / count (and its gradient); the mean of the two means does not."""

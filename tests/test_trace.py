@@ -23,10 +23,14 @@ ROWS = [
     # rows packed with 4 documents each (trace.packed_rows; issue 36): transformers builds the block-diagonal mask
     # of both layer types (window 64 < 128), the trace counts it as the real step holds it
     (dict(arch="gemma3", micro_batch=2, seq_len=128, precision="fp32", packing=True), True),
+    # rows training 100 of their 254 trainable tokens (trace.trained_rows: masked prompts): the LM head and the loss
+    # at those positions only, as hfscale.models.loss runs them
+    (dict(arch="gemma3", micro_batch=2, seq_len=128, precision="fp32", trained=100), True),
 ]
 
 
-@pytest.mark.parametrize("row, exact", ROWS, ids=[r["arch"] + ("-packed" if r.get("packing") else "") for r, _ in ROWS])
+@pytest.mark.parametrize("row, exact", ROWS, ids=[r["arch"] + ("-packed" if r.get("packing") else "-trained" if "trained" in r else "")
+                                               for r, _ in ROWS])
 def test_fake_trace_equals_real_steps(row, exact):
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "trace_row.py"), json.dumps(row)],
                          capture_output=True, text=True, timeout=600)

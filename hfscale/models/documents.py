@@ -111,11 +111,17 @@ def forward_kwargs(batch: dict, attn_implementation: str | None) -> dict:
     return out
 
 
-def attn_implementation(model) -> str | None:
-    """The attention kernel of a transformers model, through DDP / DeepSpeed / FSDP wrappers (`.module`)."""
+def unwrapped(model):
+    """The transformers model inside DDP / DeepSpeed / FSDP wrappers (`.module`); a PeftModel stays as it is (it
+    answers the model's attributes)."""
     while not hasattr(getattr(model, "config", None), "_attn_implementation") and hasattr(model, "module"):
         model = model.module
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return model
+
+
+def attn_implementation(model) -> str | None:
+    """The attention kernel of a transformers model, through DDP / DeepSpeed / FSDP wrappers (`.module`)."""
+    return getattr(getattr(unwrapped(model), "config", None), "_attn_implementation", None)
 
 
 def respect_documents_(model):
@@ -137,4 +143,4 @@ def respect_documents_(model):
 
 __all__ = ["BATCH_KEYS", "FLASH_KWARGS", "IGNORE_INDEX", "attn_implementation", "block_causal_mask",
            "check_packed_batch", "document_ids", "flash_varlen_kwargs", "forward_kwargs", "is_flash",
-           "respect_documents_"]
+           "respect_documents_", "unwrapped"]

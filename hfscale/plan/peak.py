@@ -158,14 +158,16 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
                     checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, zero: int = 0,
                     dp: int = 1, offload: str = "none", engine: str = "auto", adamw: str = DEFAULT_ADAMW,
                     rank: int | None = None, kernels: str = "cpu", reshard_after_forward: bool = True,
-                    packing: bool = False, adapter: str = "lora") -> dict:
+                    packing: bool = False, adapter: str = "lora", trained: int | None = None) -> dict:
     """`prediction.peak`, `peak_step1`, `phases`, `phases_step1`, `peak_breakdown` per rank for a strategy.
     engine: "ddp" (torch DDP through accelerate), "deepspeed", "fsdp2", or "auto" (ddp at ZeRO-0, else deepspeed).
     adamw: torch AdamW's implementation the run uses (trace.ADAMW; fused is transformers Trainer's default).
     rank: the rank to predict (ZeRO-2's backward differs per rank); None: the highest of all ranks.
     kernels: the attention kernels traced, "cpu" or "cuda" (`kernels.py`).
     packing: rows packed with documents: the traced step counts the block-diagonal masks (trace.packed_rows).
-    adapter: with lora_rank > 0, its kind (lora / dora; hfscale.scale.adapters.AdapterSpec, the recipe's targets)."""
+    adapter: with lora_rank > 0, its kind (lora / dora; hfscale.scale.adapters.AdapterSpec, the recipe's targets).
+    trained: the tokens a micro batch trains, where fewer than every position (masked prompts): the LM head and loss
+    traced at that many positions (trace.trained_rows); None: every position."""
     engine = ("ddp" if zero == 0 else "deepspeed") if engine == "auto" else (
         "deepspeed" if engine.lower() == "deepspeed" else "fsdp2" if engine.lower() in ("fsdp", "fsdp2") else "ddp")
     kw = dict(seq_len=seq_len, precision=trace_precision(precision, zero, engine), attention=attention,
@@ -176,6 +178,8 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
         kw["kernels"] = kernels
     if packing:  # unpacked traces keep their cache keys
         kw["packing"] = True
+    elif trained is not None:  # so do traces of every position
+        kw["trained"] = int(trained)
     nf4_delta = 0
     if lora_rank and adapter == "qlora":
         if engine == "fsdp2" or zero == 3:

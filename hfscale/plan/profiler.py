@@ -64,6 +64,7 @@ class RankProfile:
     adapter: str = "none"  # hfscale.scale.adapters.AdapterSpec's kind trained (none: every parameter)
     lora_rank: int = 0
     step_seconds: list[float] = field(default_factory=list)  # wall seconds per step, under the tracker
+    trained: int | None = None  # the most tokens a profiled micro batch trained (packed batches); None: full blocks
 
     @property
     def peak_step1(self) -> int:
@@ -148,6 +149,12 @@ class MemoryProfiler:
         self.cuda = torch.cuda.is_available()
         if self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
+        self.trained: int | None = None
+
+    def saw_trained(self, tokens: int) -> None:
+        """A profiled micro batch trained `tokens` tokens (the LM head runs at those positions only,
+        hfscale.models.loss): the prediction traces the most of them."""
+        self.trained = max(self.trained or 0, int(tokens))
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
@@ -205,7 +212,7 @@ class MemoryProfiler:
         kind = "deepspeed" if engine is not None else str(accelerator.distributed_type).split(".")[-1]
         return RankProfile(rank, world, "cuda" if self.cuda else "cpu", kind, zero, offload, precision, model_name,
                            micro_batch, seq_len, checkpointing, config_attention(self.model), adamw_impl(optimizer),
-                           self.mt.samples, self.phases, extra, grad_accum, reshard)
+                           self.mt.samples, self.phases, extra, grad_accum, reshard, trained=self.trained)
 
     def dump_cuda_snapshot(self, path: str | os.PathLike) -> str | None:
         """PyTorch's allocator snapshot (open it at https://pytorch.org/memory_viz); None on CPU."""
@@ -259,7 +266,8 @@ def predict(config, r: dict) -> dict:
                                grad_accum=r.get("grad_accum", 1), zero=r["zero"], dp=r["world"], offload=r["offload"], engine=r["engine"], adamw=adamw,
                                reshard_after_forward=r.get("reshard_after_forward", True),
                                rank=r.get("rank"), kernels="cuda" if str(r.get("device", "cpu")).startswith("cuda") else "cpu",
-                               lora_rank=r.get("lora_rank", 0), adapter=r.get("adapter", "none") if r.get("lora_rank") else "lora")
+                               lora_rank=r.get("lora_rank", 0), adapter=r.get("adapter", "none") if r.get("lora_rank") else "lora",
+                               trained=r.get("trained"))
     except HfscaleError as e:
         return {"error": str(e)}
 

@@ -202,7 +202,7 @@ class _Optimizer:
             p.grad = None
 
 
-def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=()) -> tuple[list, list]:
+def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=(), trained=None) -> tuple[list, list]:
     """(forward / backward phase peaks per micro batch, gradient arrivals per micro batch's backward).
     An arrival is [index of the parameter in `params`, its elements, bytes alive at the most until the next
     arrival, the breakdown there]; the first entry (index -1) is what precedes the first gradient. ZeRO-2
@@ -219,7 +219,7 @@ def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=()) -> 
         for _ in range(min(grad_accum, 2)):  # the second micro batch runs with gradients alive
             with mt:
                 with autocast:
-                    loss = _loss(model, ids)
+                    loss = _loss(model, ids, trained)
             fwd = _phase(mt)
             arrivals.clear()
             with mt.recording() if params else contextlib.nullcontext([]) as samples, mt:
@@ -271,7 +271,7 @@ def packed_rows(micro_batch: int, seq_len: int, vocab_size: int, docs: int = 4) 
     two documents per row transformers finds the rows packed."""
     import torch
 
-    docs = max(1, min(docs, seq_len))
+    docs = _docs_per_row(seq_len, docs)
     n = seq_len // docs
     pos = torch.cat([torch.arange(n)] * (docs - 1) + [torch.arange(seq_len - (docs - 1) * n)])
     ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
@@ -279,14 +279,44 @@ def packed_rows(micro_batch: int, seq_len: int, vocab_size: int, docs: int = 4) 
     return {"input_ids": ids, "labels": labels, "position_ids": pos.expand(micro_batch, seq_len).clone()}
 
 
-def _loss(model, batch):
-    """One micro batch's loss as the recipes compute it: full blocks (labels = inputs) or a packed batch."""
+def _docs_per_row(seq_len: int, docs: int = 4) -> int:
+    return max(1, min(docs, seq_len))
+
+
+def trained_rows(micro_batch: int, seq_len: int, vocab_size: int, trained: int) -> dict:
+    """Rows of one sequence each (positions 0..S-1) as a packed batch whose labels train `trained` tokens: the
+    first ones in row order after each row's first token (which is never trained). What the head's memory depends
+    on is their count (hfscale.models.loss runs the head at the trained positions only), not where they are."""
+    import torch
+
+    if not 0 <= trained <= micro_batch * (seq_len - 1):
+        raise HfscaleError(f"trained tokens {trained} must be 0..{micro_batch * (seq_len - 1)} for micro batch "
+                           f"{micro_batch} x seq_len {seq_len} (a row's first token is never trained)")
+    ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
+    keep = torch.zeros(micro_batch, seq_len, dtype=torch.bool)
+    flat = torch.arange(micro_batch * (seq_len - 1)) < trained
+    keep[:, 1:] = flat.reshape(micro_batch, seq_len - 1)
+    return {"input_ids": ids, "labels": ids.masked_fill(~keep, -100),
+            "position_ids": torch.arange(seq_len).expand(micro_batch, seq_len).clone()}
+
+
+def _loss(model, batch, trained=None):
+    """One micro batch's loss as the recipes compute it: full blocks (labels = inputs) or a packed batch. The loss
+    runs the LM head at the trained positions only (hfscale.models.loss.trained_positions), a count fake tensors
+    cannot read: `trained` where the rows were made with it (`trained_rows`), else `packed_rows` trains all but
+    each document's first token, (seq_len - docs) per row."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     from ..models.loss import lm_loss
 
-    return lm_loss(model, batch)
+    if trained is None and isinstance(batch, dict) and isinstance(batch["labels"], FakeTensor):
+        rows, seq_len = batch["labels"].shape
+        trained = rows * (seq_len - _docs_per_row(seq_len))
+    return lm_loss(model, batch, trained=trained)
 
 
-def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=DEFAULT_ADAMW, levers=None, packing=False):
+def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=DEFAULT_ADAMW, levers=None, packing=False,
+           trained=None):
     import torch
 
     from ..scale.checkpointing import apply_checkpointing_
@@ -299,6 +329,7 @@ def _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw=
     model.train()
     opt = _Optimizer(model, precision, adamw)
     ids = (packed_rows(micro_batch, seq_len, config.vocab_size) if packing
+           else trained_rows(micro_batch, seq_len, config.vocab_size, trained) if trained is not None
            else torch.randint(0, config.vocab_size, (micro_batch, seq_len)))
     mt = step_tracker()
     mt.track_external(model, opt.opt, *(opt.master or []))
@@ -329,7 +360,7 @@ def _check(precision, micro_batch, seq_len, grad_accum, lora_rank, checkpointing
 def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                   checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1, steps: int = 2,
                   adamw: str = DEFAULT_ADAMW, levers=None, packing: bool = False,
-                  adapter: str = "lora") -> list[dict[str, PhasePeak]]:
+                  adapter: str = "lora", trained: int | None = None) -> list[dict[str, PhasePeak]]:
     """Run `steps` whole training steps for real (random weights) under the same tracker: each step's phase
     peaks, what `trace_step` is checked against. Run it first in a fresh process: a second real run in
     the same process was measured to count one hidden-state tensor fewer (2.25 MiB on the tiny Gemma)."""
@@ -341,10 +372,10 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
     config = copy.deepcopy(config)
     torch.manual_seed(0)
     model = _build(config, precision, attention, lora_rank, adapter)
-    opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw, levers, packing)
+    opt, ids, mt = _setup(model, config, micro_batch, seq_len, precision, checkpointing, adamw, levers, packing, trained)
     out = []
     for _ in range(steps):
-        micros, _ = _micro_steps(model, mt, ids, precision, grad_accum)
+        micros, _ = _micro_steps(model, mt, ids, precision, grad_accum, trained=trained)
         out.append({ph: max((m[ph] for m in micros), key=lambda x: x.bytes) for ph in ("forward", "backward")}
                    | {"optimizer": _optimizer_step(opt, mt)})
     return out
@@ -353,7 +384,8 @@ def measure_steps(config, micro_batch: int, seq_len: int, precision: str = "fp32
 def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", attention: str = "sdpa",
                checkpointing: str = "off", lora_rank: int = 0, grad_accum: int = 1,
                optimizer_only: bool = False, adamw: str = DEFAULT_ADAMW, kernels: str = "cpu",
-               optimizer: bool = True, levers=None, packing: bool = False, adapter: str = "lora") -> StepTrace:
+               optimizer: bool = True, levers=None, packing: bool = False, adapter: str = "lora",
+               trained: int | None = None) -> StepTrace:
     """Trace step 1 of training the model `config` describes on fake tensors, and the steady optimizer step.
     `optimizer_only` skips forward and backward (`micro` is empty): both optimizer steps then run on
     gradients shaped as backward makes them (used to scale a trace to full depth, `peak.py`); `optimizer=False`
@@ -362,6 +394,8 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
     moves tensors to host memory, which a CPU trace cannot tell apart: hfscale.plan.long_context models it).
     `packing`: rows packed with documents (`packed_rows`): the block-diagonal masks sdpa / eager get are counted.
     `adapter`: the kind (lora / dora) of the adapter of rank `lora_rank` (0: full fine-tuning).
+    `trained`: rows whose labels train that many tokens per micro batch (`trained_rows`, unpacked): the LM head and
+    the loss at those positions only, as hfscale.models.loss runs them; None: full blocks (every position).
 
     Forward and backward are traced once: a steady step's differ from step 1's only by the optimizer
     states then alive (gradients are freed after each step). The optimizer step is traced twice (step 1
@@ -384,11 +418,12 @@ def trace_step(config, micro_batch: int, seq_len: int, precision: str = "fp32", 
         with (FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _quiet_fake_errors(), _cpu_grouped_mm(),
               contextlib.nullcontext() if packing else _unpacked_rows()):
             opt, ids, mt = _setup(_materialize_fake(model), config, micro_batch, seq_len, precision, checkpointing,
-                                  adamw, levers, packing)
+                                  adamw, levers, packing, None if packing else trained)
             counts: Counter = Counter()
             with cuda_attention(counts) if kernels == "cuda" else contextlib.nullcontext():
                 micros, arrivals = (([], []) if optimizer_only
-                                    else _micro_steps(model, mt, ids, precision, grad_accum, opt.params))
+                                    else _micro_steps(model, mt, ids, precision, grad_accum, opt.params,
+                                                      None if packing else trained))
             opts = [PhasePeak(0, {})] * 2 if not optimizer else []
             for step in range(2 if optimizer else 0):
                 if step or optimizer_only:

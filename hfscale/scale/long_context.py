@@ -222,6 +222,7 @@ def tile_loss_(model, tiles: int) -> None:
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values)
 
     model.forward = forward
+    model.loss_tiles = tiles  # hfscale.models.loss.lm_loss passes its labels to this forward
 
 
 # --- activation offload ------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 
 # the one next-token loss (full blocks' mean, or a packed batch's trained-token sum / the step's count), re-exported
 # as train_steps' default loss_fn and for the recipes (no torch at import)
-from ..models.loss import lm_loss
+from ..models.loss import lm_loss, trained_tokens
 
 
 def lr_at(step: int, cfg) -> float:
@@ -213,8 +213,6 @@ def evaluate(model, accelerator, val, micro_batch: int) -> float:
     hfscale.data.dataset.MicroBatches over a token store's rows; `micro_batch` unused): the sum over their trained
     tokens / their count, so a batch of short answers weighs what its tokens weigh."""
     import torch
-
-    from ..models.loss import trained_tokens
 
     world, rank = accelerator.num_processes, accelerator.process_index
     share = len(val) // world
@@ -416,6 +414,8 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
                 batch = train_blocks[rank_indices(plan, len(train_blocks), cfg.seed, step, micro, reader)].to(accelerator.device)
             else:
                 batch = {k: v.to(accelerator.device) for k, v in read_batch(step, micro, reader).items()}
+                if profiled:  # the head's rows: the plan traces the most a micro batch trains
+                    prof.saw_trained(trained_tokens(batch["labels"]))
             with accelerator.accumulate(model):
                 with phase("forward"):
                     loss = loss_fn(model, batch) if trained is None else loss_fn(model, batch, trained)

@@ -82,6 +82,10 @@ def run_recipe(argv, doc: str, cls, train, check=None, check_launch=None, config
         if check is not None:
             check(cfg)
         pre = preflight(cfg, force, source=config_path)
+        if pre.launch.on_cpu:  # a CPU step's freed tensors stay with the process for the next step
+            from ..util.allocator import retain_freed_memory
+
+            retain_freed_memory()
         if check_launch is not None:
             check_launch(cfg, pre, parallel)
         store = prepare_data(pre, rank, tag)
