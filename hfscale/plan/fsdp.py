@@ -88,14 +88,17 @@ def fsdp2_units(config, lora_rank: int = 0, adapter: str = "lora") -> FsdpUnits:
 
 
 def _final_norm(model):
-    """The norm accelerate puts in the tail unit (its own _find_final_norm: a direct child of the model's
-    base_model_prefix module named *Norm*; under peft that lookup lands on the causal LM and finds none, so the
-    norm stays in the root unit)."""
-    try:
-        from accelerate.utils.fsdp_utils import _find_final_norm
-    except ImportError:  # an accelerate without it: the transformers convention
-        return getattr(getattr(model, "model", model), "norm", None)
-    return _find_final_norm(model)
+    """The norm accelerate 1.16's fsdp2_prepare_model puts in the tail unit: the last direct child whose class name
+    holds "Norm" of the model's `base_model_prefix` module (Llama's / Gemma's `model.norm`, GPT-NeoX's
+    `gpt_neox.final_layer_norm`); under peft the prefix lands on the causal LM, which has no such child: None, the
+    norm stays in the root unit. Owned here: accelerate keeps its lookup private (fsdp_utils._find_final_norm)."""
+    import torch
+
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else model
+    if not isinstance(base, torch.nn.Module):
+        return None
+    return next((m for _, m in reversed(list(base.named_children())) if "Norm" in type(m).__name__), None)
 
 
 def _units(config, lora_rank: int = 0, adapter: str = "lora") -> FsdpUnits:
