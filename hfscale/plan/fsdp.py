@@ -186,6 +186,19 @@ def _backward_segment(seg: list, arrived: list[tuple[int, int]], upcoming: int |
     return kinds
 
 
+def _within_layers(tr: StepTrace, units: FsdpUnits, c: int, steady: bool, grad_accum: int, reshard: bool) -> list[dict]:
+    """The forward's peak within the decoder layers (the trace's `forward_in_layers`), where with reshard the running
+    layer is gathered beside its all-gather's flat output (2c x the largest layer) and the tail stays gathered: DoRA's
+    peak, whose weight-norm temporaries inside the last layer outweigh what the loss adds. [] without the trace's
+    in-layer peak, or without reshard (every layer gathered at the loss: that rule holds the most)."""
+    inner = tr.forward_in_layers(steady, grad_accum)
+    if inner is None or not reshard:
+        return []
+    layer = max(units.layers, default=0)
+    return [{**{n: inner.breakdown.get(n, 0) for n in ("activations", "temporaries", "buffers")},
+             "gathered_parameters": c * (units.tail + layer), "all_gather_output": c * layer}]
+
+
 def fsdp2_phases(tr: StepTrace, units: FsdpUnits, dp: int, reshard_after_forward: bool = True, offload: bool = False,
                  steady: bool = True, grad_accum: int = 1, adamw: str = "forloop") -> dict[str, dict[str, int]]:
     """{phase: {kind: bytes}} on one of `dp` ranks under FSDP2 (see the module docstring)."""
@@ -233,7 +246,9 @@ def fsdp2_phases(tr: StepTrace, units: FsdpUnits, dp: int, reshard_after_forward
             first = units.layers[0] if units.layers else 0
             start = {"buffers": kinds.get("buffers", 0), "gathered_parameters": c * (units.tail + first),
                      "all_gather_output": c * (units.tail + first), **shards, **moments}
-            out[phase] = max(out[phase], start, key=lambda x: sum(x.values()))
+            inner = [{**k, **shards, **moments}
+                     for k in _within_layers(tr, units, c, steady, grad_accum, reshard_after_forward)]
+            out[phase] = max(out[phase], start, *inner, key=lambda x: sum(x.values()))
     opt = {"buffers": tr.phases(steady, grad_accum)["optimizer"].breakdown.get("buffers", 0),
            **shards, where + "gradient_shards": 4 * _ceil(P, N), where + "optimizer": _ceil(tr.state_bytes, N),
            "optimizer_temporaries": 2 * 4 * _ceil(units.largest_param, N) if adamw == "forloop" else 0}
