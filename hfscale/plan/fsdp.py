@@ -19,7 +19,9 @@ under bf16, else d):
                       alive), the tail unit c*T gathered, with reshard_after_forward (default) no layer, without it
                       every one, and the last layer's flat all-gather output c*L (an all-gather's output lives until
                       the next all-gather, which is backward's first); or, when higher, the start of forward: the tail
-                      and the first layer gathered beside their all-gather outputs, 2c*(T + L0)
+                      and the first layer gathered beside their all-gather outputs, 2c*(T + L0); or (with reshard) the
+                      trace's peak within the decoder layers with the tail and the running layer gathered beside its
+                      all-gather output, c*T + 2c*L
   backward            walked over the trace's gradient arrivals (`_backward_segment`), per segment: the trace's
                       activations / temporaries / buffers; gathered the tail, with reshard the running layer and the
                       next lower one's all-gather (without: every layer not yet finished); the running unit's gradients
@@ -41,11 +43,12 @@ checkpointing the peak moves into the middle of backward (a recomputed layer gat
 reduce-scatter buffers): +1.5% steady, +2.1% step 1. On a 101.6M Gemma 3 (2 ranks, fp32, micro 1 x 64,
 benchmarks/results/adapters.md), where the model states outweigh the activations: full fine-tuning's backward peak is
 the tied embedding's last gradient after every layer finished (-0.00%; +3.19% while the last arrival's layer was taken
-as still running), LoRA's peak the start of forward (-0.06%; its backward -0.001%). DoRA's forward holds a varying
-number of weight-sized tensors more than the trace (two ranks of one run: 515.1 / 558.8 MB): cyclic garbage torch's
-ModTracker makes of the graph of peft's DoRA delta weight (its saved identity), freed when Python's GC runs (benchmarks/results/adapters.md). Not modelled: allocator
-caching and stream overlap on GPUs (the all-gather and reduce-scatter buffers were read from CPU / gloo runs, where
-collectives are synchronous); the activations at the start of forward (the embedding's output).
+as still running), LoRA's peak the start of forward (-0.06%; its backward -0.001%), DoRA's inside the last layer,
+where its weight-norm temporaries outweigh what the loss adds and the running layer is gathered beside its all-gather
+output (`_within_layers`: -0.0007%; -5.2% while the forward's peak was taken at the loss; before hfscale's tracker
+dropped ModTracker's input hooks, tracker.py, DoRA's ranks measured 515.1 / 558.8 MB in one run). Not modelled:
+allocator caching and stream overlap on GPUs (the all-gather and reduce-scatter buffers were read from CPU / gloo runs,
+where collectives are synchronous); the activations at the start of forward (the embedding's output).
 """
 
 from __future__ import annotations
@@ -217,8 +220,9 @@ def fsdp2_phases(tr: StepTrace, units: FsdpUnits, dp: int, reshard_after_forward
         k = dict(tr.phases(steady, grad_accum)[phase].breakdown)
         kinds = {n: k.get(n, 0) for n in ("activations", "temporaries", "buffers")}
         if phase == "forward":
-            # the trace's forward peak is the loss at its end: every layer has run; with reshard only the tail remains,
-            # beside the last layer's all-gather output (kept until the next all-gather, backward's first)
+            # at the loss (the trace's forward peak when no layer holds more): every layer has run; with reshard
+            # only the tail remains, beside the last layer's all-gather output (kept until the next all-gather,
+            # backward's first)
             gathered = c * units.tail + (0 if reshard_after_forward else c * sum(units.layers))
             kinds["all_gather_output"] = c * (units.layers[-1] if units.layers else 0)
         else:

@@ -241,7 +241,8 @@ def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=()) -> 
             arrivals.clear()
             with mt.recording() if params else contextlib.nullcontext([]) as samples, mt:
                 loss.backward()
-            micros.append({"forward": fwd, "backward": _phase(mt), **_labelled_peak(forward, "layers", "forward_layers")})
+            micros.append({"forward": fwd, "backward": _phase(mt),
+                           **_labelled_peak(forward, "layers", "forward_layers")})
             segments.append(_segments(samples, arrivals) if params else [])
             del loss
             mt.reset_mod_stats()  # MemTracker tracks one call per module between resets
