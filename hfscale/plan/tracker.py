@@ -87,6 +87,12 @@ def step_tracker(record: bool = False):
         def _as_grad(self, grad) -> None:
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
+        def track_as_parameters(self, *tensors) -> None:
+            """Count `tensors` as parameters: what a frozen weight holds beside its data (bitsandbytes' NF4 quant
+            state), which MemTracker's track_external would not see as a parameter's."""
+            for t in tensors:
+                self._update_and_maybe_create_winfos(t, _MemRefType.PARAM)
+
         def track_external(self, *external) -> None:
             super().track_external(*external)
             self._watched.extend(x for x in external if isinstance(x, torch.nn.Module))
