@@ -278,10 +278,11 @@ def _nf4_delta(config, precision: str) -> int:
     """Bytes a QLoRA base saves over the LoRA trace's: every decoder linear weight, traced in the precision's dtype,
     held instead as bitsandbytes' NF4 (memory.nf4_base_bytes). Exact where the QLoRA model's other weights are in the
     traced dtype (fp32, or bf16 under DeepSpeed's layout), as the profile's QLoRA runs load them. The NF4 bytes include
-    the quant state (absmax, nested absmax, offsets), which MemTracker does not see (attributes of the NF4 weights,
-    neither parameters nor buffers): on the 101.6M Gemma 3 the QLoRA plans are +0.47% (DDP), +0.50% (ZeRO-2) and +0.56%
-    (ZeRO-3) over the measured peaks, 1,198,412 B of DDP's 1,198,416 B of quant state (benchmarks/results/adapters.md).
-    The dequantized weight bitsandbytes makes per matmul lives one layer at a time, below the step peak there."""
+    the quant state (absmax, nested absmax, offsets), which torch's MemTracker does not see (attributes of the NF4
+    weights): the profile hands it over (scale.adapters.quant_state_tensors); before, the QLoRA plans were +0.47-0.56%
+    over the measured peaks of the 101.6M Gemma 3, 1,198,412 B of its 1,198,416 B of quant state on DDP
+    (benchmarks/results/adapters.md). The dequantized weight bitsandbytes makes per matmul lives one layer at a time,
+    below the step peak there."""
     from ..models.dims import dims_from_config
     from .memory import decoder_linears, nf4_base_bytes
 
