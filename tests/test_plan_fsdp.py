@@ -94,3 +94,38 @@ def test_adapter_units_and_the_last_arrival_finishing_its_layer():
     assert lora["peak_breakdown"]["frozen_param_shards"] == 4 * P // 2  # every base parameter, sharded
     full = step_prediction(CFG, 1, 8, "fp32", "eager", "off", zero=3, dp=2, engine="fsdp2", adamw="fused")
     assert abs(full["peak"] / 37_242_472 - 1) < 1e-5, full["peak"]
+
+
+def test_final_norm_is_accelerates_rule_owned_here(monkeypatch):
+    """The tail unit's norm by hfscale's rule, not accelerate's private fsdp_utils._find_final_norm: the same module
+    accelerate 1.16 picks (checked while it exists), also once it is gone, where the old fallback (`model.model.norm`)
+    missed GPT-NeoX's gpt_neox.final_layer_norm; under peft none (the norm stays in the root unit)."""
+    import torch
+    from accelerate.utils import fsdp_utils
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    from hfscale.plan.fsdp import _final_norm
+
+    with torch.device("meta"):
+        neox = AutoModelForCausalLM.from_config(GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                              num_hidden_layers=1, num_attention_heads=2))
+        gemma = AutoModelForCausalLM.from_config(CFG)
+        peft = get_peft_model(AutoModelForCausalLM.from_config(CFG), LoraConfig(r=2, target_modules=["q_proj"]))
+    models = (neox, gemma, peft)
+    accelerates = [getattr(fsdp_utils, "_find_final_norm", _final_norm)(m) for m in models]
+    monkeypatch.delattr(fsdp_utils, "_find_final_norm", raising=False)
+    assert [_final_norm(m) for m in models] == accelerates == [neox.gpt_neox.final_layer_norm, gemma.model.norm, None]
+
+
+def test_dora_forward_peaks_within_the_layers_one_layer_gathered():
+    """DoRA's weight-norm temporaries put the forward's peak inside the last decoder layer (the trace's
+    forward_in_layers), where FSDP2 holds the running layer gathered beside its all-gather's flat output, not at the
+    loss (one all-gather output, no layer). On the 101.6M Gemma 3 (2 ranks, fp32, micro 1 x 64,
+    benchmarks/results/adapters.md): measured 498,597,956 B, planned 498,594,380 (at the loss: 472,519,756, -5.2%)."""
+    p = step_prediction(CFG, 1, 64, "fp32", engine="fsdp2", dp=2, lora_rank=4, adapter="dora")
+    u = fsdp2_units(CFG, 4, "dora")
+    layer = max(u.layers)
+    b = p["peak_breakdown"]
+    assert p["peak_phase"] == "forward"
+    assert (b["gathered_parameters"], b["all_gather_output"]) == (4 * (u.tail + layer), 4 * layer)

@@ -136,7 +136,8 @@ def test_depth_scaled_engine_walks_equal_the_full_depth_trace(monkeypatch):
     walks the two shallow traces and extrapolates per kind. Equal to walking a full-depth trace on a Llama whose model
     states outweigh its activations (1 x 16 tokens), full fine-tuning and LoRA (without the shallow walks all three rows
     differ). (Checked by hand on a 20-layer Gemma 3 of 384, ZeRO-3 / FSDP2, full / LoRA / DoRA: equal but ZeRO-3 full's
-    step-1 backward, -1.8%, its walk peaking at another place in depth, and DoRA, whose trace varies: cyclic garbage.)"""
+    step-1 backward, -1.8%, its walk peaking at another place in depth, and DoRA, whose trace varied with the GC until
+    hfscale's tracker dropped ModTracker's input hooks (plan/tracker.py): not rechecked since.)"""
     from transformers import LlamaConfig
 
     import hfscale.plan.peak as peak

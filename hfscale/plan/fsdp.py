@@ -19,7 +19,9 @@ under bf16, else d):
                       alive), the tail unit c*T gathered, with reshard_after_forward (default) no layer, without it
                       every one, and the last layer's flat all-gather output c*L (an all-gather's output lives until
                       the next all-gather, which is backward's first); or, when higher, the start of forward: the tail
-                      and the first layer gathered beside their all-gather outputs, 2c*(T + L0)
+                      and the first layer gathered beside their all-gather outputs, 2c*(T + L0); or (with reshard) the
+                      trace's peak within the decoder layers with the tail and the running layer gathered beside its
+                      all-gather output, c*T + 2c*L
   backward            walked over the trace's gradient arrivals (`_backward_segment`), per segment: the trace's
                       activations / temporaries / buffers; gathered the tail, with reshard the running layer and the
                       next lower one's all-gather (without: every layer not yet finished); the running unit's gradients
@@ -41,11 +43,12 @@ checkpointing the peak moves into the middle of backward (a recomputed layer gat
 reduce-scatter buffers): +1.5% steady, +2.1% step 1. On a 101.6M Gemma 3 (2 ranks, fp32, micro 1 x 64,
 benchmarks/results/adapters.md), where the model states outweigh the activations: full fine-tuning's backward peak is
 the tied embedding's last gradient after every layer finished (-0.00%; +3.19% while the last arrival's layer was taken
-as still running), LoRA's peak the start of forward (-0.06%; its backward -0.001%). DoRA's forward holds a varying
-number of weight-sized tensors more than the trace (two ranks of one run: 515.1 / 558.8 MB): cyclic garbage torch's
-ModTracker makes of the graph of peft's DoRA delta weight (its saved identity), freed when Python's GC runs (benchmarks/results/adapters.md). Not modelled: allocator
-caching and stream overlap on GPUs (the all-gather and reduce-scatter buffers were read from CPU / gloo runs, where
-collectives are synchronous); the activations at the start of forward (the embedding's output).
+as still running), LoRA's peak the start of forward (-0.06%; its backward -0.001%), DoRA's inside the last layer,
+where its weight-norm temporaries outweigh what the loss adds and the running layer is gathered beside its all-gather
+output (`_within_layers`: -0.0007%; -5.2% while the forward's peak was taken at the loss; before hfscale's tracker
+dropped ModTracker's input hooks, tracker.py, DoRA's ranks measured 515.1 / 558.8 MB in one run). Not modelled:
+allocator caching and stream overlap on GPUs (the all-gather and reduce-scatter buffers were read from CPU / gloo runs,
+where collectives are synchronous); the activations at the start of forward (the embedding's output).
 """
 
 from __future__ import annotations
@@ -88,14 +91,17 @@ def fsdp2_units(config, lora_rank: int = 0, adapter: str = "lora") -> FsdpUnits:
 
 
 def _final_norm(model):
-    """The norm accelerate puts in the tail unit (its own _find_final_norm: a direct child of the model's
-    base_model_prefix module named *Norm*; under peft that lookup lands on the causal LM and finds none, so the
-    norm stays in the root unit)."""
-    try:
-        from accelerate.utils.fsdp_utils import _find_final_norm
-    except ImportError:  # an accelerate without it: the transformers convention
-        return getattr(getattr(model, "model", model), "norm", None)
-    return _find_final_norm(model)
+    """The norm accelerate 1.16's fsdp2_prepare_model puts in the tail unit: the last direct child whose class name
+    holds "Norm" of the model's `base_model_prefix` module (Llama's / Gemma's `model.norm`, GPT-NeoX's
+    `gpt_neox.final_layer_norm`); under peft the prefix lands on the causal LM, which has no such child: None, the
+    norm stays in the root unit. Owned here: accelerate keeps its lookup private (fsdp_utils._find_final_norm)."""
+    import torch
+
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else model
+    if not isinstance(base, torch.nn.Module):
+        return None
+    return next((m for _, m in reversed(list(base.named_children())) if "Norm" in type(m).__name__), None)
 
 
 def _units(config, lora_rank: int = 0, adapter: str = "lora") -> FsdpUnits:
@@ -183,6 +189,19 @@ def _backward_segment(seg: list, arrived: list[tuple[int, int]], upcoming: int |
     return kinds
 
 
+def _within_layers(tr: StepTrace, units: FsdpUnits, c: int, steady: bool, grad_accum: int, reshard: bool) -> list[dict]:
+    """The forward's peak within the decoder layers (the trace's `forward_in_layers`), where with reshard the running
+    layer is gathered beside its all-gather's flat output (2c x the largest layer) and the tail stays gathered: DoRA's
+    peak, whose weight-norm temporaries inside the last layer outweigh what the loss adds. [] without the trace's
+    in-layer peak, or without reshard (every layer gathered at the loss: that rule holds the most)."""
+    inner = tr.forward_in_layers(steady, grad_accum)
+    if inner is None or not reshard:
+        return []
+    layer = max(units.layers, default=0)
+    return [{**{n: inner.breakdown.get(n, 0) for n in ("activations", "temporaries", "buffers")},
+             "gathered_parameters": c * (units.tail + layer), "all_gather_output": c * layer}]
+
+
 def fsdp2_phases(tr: StepTrace, units: FsdpUnits, dp: int, reshard_after_forward: bool = True, offload: bool = False,
                  steady: bool = True, grad_accum: int = 1, adamw: str = "forloop") -> dict[str, dict[str, int]]:
     """{phase: {kind: bytes}} on one of `dp` ranks under FSDP2 (see the module docstring)."""
@@ -201,8 +220,9 @@ def fsdp2_phases(tr: StepTrace, units: FsdpUnits, dp: int, reshard_after_forward
         k = dict(tr.phases(steady, grad_accum)[phase].breakdown)
         kinds = {n: k.get(n, 0) for n in ("activations", "temporaries", "buffers")}
         if phase == "forward":
-            # the trace's forward peak is the loss at its end: every layer has run; with reshard only the tail remains,
-            # beside the last layer's all-gather output (kept until the next all-gather, backward's first)
+            # at the loss (the trace's forward peak when no layer holds more): every layer has run; with reshard
+            # only the tail remains, beside the last layer's all-gather output (kept until the next all-gather,
+            # backward's first)
             gathered = c * units.tail + (0 if reshard_after_forward else c * sum(units.layers))
             kinds["all_gather_output"] = c * (units.layers[-1] if units.layers else 0)
         else:
@@ -230,7 +250,9 @@ def fsdp2_phases(tr: StepTrace, units: FsdpUnits, dp: int, reshard_after_forward
             first = units.layers[0] if units.layers else 0
             start = {"buffers": kinds.get("buffers", 0), "gathered_parameters": c * (units.tail + first),
                      "all_gather_output": c * (units.tail + first), **shards, **moments}
-            out[phase] = max(out[phase], start, key=lambda x: sum(x.values()))
+            inner = [{**k, **shards, **moments}
+                     for k in _within_layers(tr, units, c, steady, grad_accum, reshard_after_forward)]
+            out[phase] = max(out[phase], start, *inner, key=lambda x: sum(x.values()))
     opt = {"buffers": tr.phases(steady, grad_accum)["optimizer"].breakdown.get("buffers", 0),
            **shards, where + "gradient_shards": 4 * _ceil(P, N), where + "optimizer": _ceil(tr.state_bytes, N),
            "optimizer_temporaries": 2 * 4 * _ceil(units.largest_param, N) if adamw == "forloop" else 0}

@@ -32,14 +32,17 @@ from pathlib import Path
 from dataclasses import replace
 
 from ..util.cache import cache_root, cached_json
+from ..util.errors import HfscaleError
 from .memory import runs_as
 from ..scale.optim import DEFAULT_ADAMW
 from .trace import PhasePeak, StepTrace, trace_step
 
 # bump when what a trace records changes (2: gradients made in backward count as gradients, not temporaries;
 # 3: gradient arrivals in backward, for ZeRO-2's per-rank partition; 4: no S x S mask where checkpointing turns the
-# cache off, trace._unpacked_rows)
-TRACE_FORMAT = 4
+# cache off, trace._unpacked_rows; 5: no module-input hooks, so a graph backward never runs through is freed when
+# its last reference goes, not when the GC runs: DoRA's delta weight, tracker.py; 6: the forward's peak within the
+# decoder layers, StepTrace.forward_in_layers)
+TRACE_FORMAT = 6
 
 
 trace_precision = runs_as  # what a planned precision runs as: decided in one place (memory.runs_as)
@@ -181,13 +184,11 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     elif trained is not None:  # so do traces of every position
         kw["trained"] = int(trained)
     nf4_delta = 0
-    if lora_rank and adapter == "qlora":
-        if engine == "fsdp2" or zero == 3:
-            from ..util.errors import HfscaleError
-
-            raise HfscaleError("QLoRA's step is traced where parameters are not sharded (DDP, ZeRO-1/2: its NF4 base "
-                               f"laid over the LoRA trace); under {'FSDP2' if engine == 'fsdp2' else 'ZeRO-3'} it is "
-                               "planned from the analytic terms")
+    if lora_rank and adapter == "qlora":  # the LoRA trace with its decoder linears held as NF4 (bitsandbytes has no
+        # fake kernels); FSDP2 is refused as the recipe refuses it: no run to predict
+        refused = _qlora_refusal(engine)
+        if refused is not None:
+            raise HfscaleError(refused)
         nf4_delta = _nf4_delta(config, kw["precision"])
         adapter = "lora"
     if lora_rank:  # the recipe's targets (not peft's all-linear, as adapter traces were cached before): new keys
@@ -221,9 +222,16 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     steps = engine_steps(tr, config)
     if tr.depth and (engine == "fsdp2" or (engine == "deepspeed" and zero == 3)):
         steps = _depth_scaled_backward(steps, config, micro_batch, kw, engine_steps)
-    if nf4_delta:  # QLoRA: the unsharded frozen linears held as NF4 (parameters only)
-        steps = {s: {ph: {**k, "parameters": k.get("parameters", 0) - nf4_delta} for ph, k in v.items()}
-                 for s, v in steps.items()}
+    if nf4_delta:  # QLoRA: the frozen decoder linears held as NF4 wherever the base is held whole: every phase under
+        # DDP and ZeRO-1/2, ZeRO-3's gathered parameters (steady steps: all of them below the reuse distance; step 1
+        # gathers none at its peaks: nothing to lay the NF4 base over)
+        from .zero import REUSE_DISTANCE
+
+        if engine == "deepspeed" and zero == 3 and tr.params > REUSE_DISTANCE:
+            raise HfscaleError("QLoRA under ZeRO-3 above stage3_max_reuse_distance (one module gathered at a time) is "
+                               "not traced: planned from the analytic terms")
+        steps = {s: {ph: {**k, "parameters": k["parameters"] - nf4_delta} if k.get("parameters") else k
+                      for ph, k in v.items()} for s, v in steps.items()}
     from .zero import HOST, split_host
 
     steady, step1 = ({ph: split_host(k)[0] for ph, k in steps[s].items()} for s in (True, False))
@@ -273,8 +281,12 @@ def _depth_scaled_backward(steps: dict, config, micro_batch: int, kw: dict, engi
 def _nf4_delta(config, precision: str) -> int:
     """Bytes a QLoRA base saves over the LoRA trace's: every decoder linear weight, traced in the precision's dtype,
     held instead as bitsandbytes' NF4 (memory.nf4_base_bytes). Exact where the QLoRA model's other weights are in the
-    traced dtype (fp32, or bf16 under DeepSpeed's layout), as the profile's QLoRA runs load them. The dequantized
-    weight bitsandbytes makes per matmul lives one layer at a time (measured below the step peak: +0.5% on DDP)."""
+    traced dtype (fp32, or bf16 under DeepSpeed's layout), as the profile's QLoRA runs load them. The NF4 bytes include
+    the quant state (absmax, nested absmax, offsets), which torch's MemTracker does not see (attributes of the NF4
+    weights): the profile hands it over (scale.adapters.quant_state_tensors); before, the QLoRA plans were +0.47-0.56%
+    over the measured peaks of the 101.6M Gemma 3, 1,198,412 B of its 1,198,416 B of quant state on DDP
+    (benchmarks/results/adapters.md). The dequantized weight bitsandbytes makes per matmul lives one layer at a time,
+    below the step peak there."""
     from ..models.dims import dims_from_config
     from .memory import decoder_linears, nf4_base_bytes
 
@@ -283,17 +295,22 @@ def _nf4_delta(config, precision: str) -> int:
     return sum(i * o for _, i, o in decoder_linears(d)) * elem - nf4_base_bytes(d)["nf4"]
 
 
+def _qlora_refusal(engine: str) -> str | None:
+    """The recipe's refusal of QLoRA on this engine (hfscale.scale.adapters.QLORA_REFUSED, its one home) as the plan
+    says it, or None. engine: as step_prediction names it, or a Strategy's (fsdp2 / auto / deepspeed)."""
+    from ..scale.adapters import engine_refusal
+
+    refused = engine_refusal("qlora", None, engine in ("fsdp", "fsdp2"))
+    return None if refused is None else (f"not predicted: hfscale's recipe refuses this run ({refused[0]}); "
+                                         f"{refused[1]}; the analytic terms are shown for reference only")
+
+
 def untraceable(s) -> str | None:
     """Why a planner Strategy's step cannot be traced (then only the analytic terms are reported)."""
     if s.optimizer != "adamw":
         return f"the trace runs AdamW; --optimizer {s.optimizer} is predicted from the analytic terms only"
-    if s.base_bits == 4 and getattr(s, "engine", "auto") == "fsdp2":
-        return ("QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; under FSDP2 (sharded NF4 storage) "
-                "it is planned from the analytic terms (the NF4 base as bitsandbytes stores it: memory.nf4_base_bytes)")
-    if s.base_bits == 4 and s.zero == 3:
-        return ("QLoRA's NF4 kernels (bitsandbytes) have no fake-tensor implementation; under DDP and ZeRO-1/2 its step is "
-                "the LoRA trace with the NF4 base, under ZeRO-3 / FSDP2 (sharded NF4 storage) the analytic terms (the NF4 "
-                "base as bitsandbytes stores it: memory.nf4_base_bytes)")
+    if s.base_bits == 4:  # traced as the LoRA step with its NF4 base (step_prediction) but where the recipe refuses it
+        return _qlora_refusal(getattr(s, "engine", "auto"))
     return None
 
 

@@ -140,6 +140,10 @@ class MemoryProfiler:
         if held:
             self.mt.track_external(*held)
         self.mt.track_external(model)
+        from ..scale.adapters import quant_state_tensors
+
+        # a QLoRA base's quant state (1,198,416 B on the 101.6M Gemma 3 of benchmarks/results/adapters.md)
+        self.mt.track_as_parameters(*(t for p in model.parameters() for t in quant_state_tensors(p)))
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if grads:
             self.mt.track_external(*grads)

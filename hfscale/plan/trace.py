@@ -89,18 +89,26 @@ class StepTrace:
 
     def phases(self, steady: bool = True, grad_accum: int = 1) -> dict[str, PhasePeak]:
         """forward / backward / optimizer peaks of step 1 or of a steady step, for `grad_accum` micro batches."""
+        out = {ph: self._micro_peak(ph, steady, grad_accum) for ph in ("forward", "backward")}
+        out["optimizer"] = self.optimizer_steady if steady else self.optimizer_step1
+        return out
+
+    def forward_in_layers(self, steady: bool = True, grad_accum: int = 1) -> PhasePeak | None:
+        """The forward's peak while the decoder layers run (from the first layer's start to the last one's end), as
+        `phases` gives the forward's: where FSDP2 holds a layer gathered. None where the trace has no decoder layers."""
+        return self._micro_peak("forward_layers", steady, grad_accum)
+
+    def _micro_peak(self, ph: str, steady: bool, grad_accum: int) -> PhasePeak | None:
         if grad_accum > 1 and len(self.micro) < 2:
             raise ValueError("this trace has one micro batch; trace with grad_accum=2 to predict accumulation")
         micros = self.micro[: 1 if grad_accum == 1 else 2]
-        out = {}
-        for ph in ("forward", "backward"):
-            p = max((m[ph] for m in micros), key=lambda x: x.bytes)
-            if steady:
-                p = PhasePeak(p.bytes + self.state_bytes,
-                              {**p.breakdown, "optimizer": p.breakdown.get("optimizer", 0) + self.state_bytes})
-            out[ph] = p
-        out["optimizer"] = self.optimizer_steady if steady else self.optimizer_step1
-        return out
+        if any(ph not in m for m in micros):
+            return None
+        p = max((m[ph] for m in micros), key=lambda x: x.bytes)
+        if steady:  # AdamW's moments, created in step 1's optimizer step
+            p = PhasePeak(p.bytes + self.state_bytes,
+                          {**p.breakdown, "optimizer": p.breakdown.get("optimizer", 0) + self.state_bytes})
+        return p
 
     def prediction(self, grad_accum: int = 1) -> dict:
         """The keys `hfscale plan --json` reports under prediction (fixed names scripts can rely on)."""
@@ -211,20 +219,30 @@ def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=(), tra
 
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-autocast"
                 else contextlib.nullcontext())
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     arrivals: list = []
     hooks = [p.register_post_accumulate_grad_hook(lambda q, i=i: arrivals.append((i, q.numel(), mt.ops)))
              for i, p in enumerate(params)]
+    # the forward's samples are labelled "layers" from the first decoder layer's start to the last one's end (FSDP2
+    # holds a layer gathered there, not at the loss: fsdp.py); the layers as fsdp.fsdp2_units counts its units
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if layers:
+        hooks += [layers[0].register_forward_pre_hook(lambda *a: setattr(mt, "label", "layers")),
+                  layers[-1].register_forward_hook(lambda *a: setattr(mt, "label", "head"))]
     micros, segments = [], []
     try:
         for _ in range(min(grad_accum, 2)):  # the second micro batch runs with gradients alive
-            with mt:
+            with mt.recording() as forward, mt:
+                mt.label = "embedding"
                 with autocast:
                     loss = _loss(model, ids, trained)
             fwd = _phase(mt)
             arrivals.clear()
             with mt.recording() if params else contextlib.nullcontext([]) as samples, mt:
                 loss.backward()
-            micros.append({"forward": fwd, "backward": _phase(mt)})
+            micros.append({"forward": fwd, "backward": _phase(mt),
+                           **_labelled_peak(forward, "layers", "forward_layers")})
             segments.append(_segments(samples, arrivals) if params else [])
             del loss
             mt.reset_mod_stats()  # MemTracker tracks one call per module between resets
@@ -232,6 +250,12 @@ def _micro_steps(model, mt, ids, precision: str, grad_accum: int, params=(), tra
         for h in hooks:
             h.remove()
     return micros, segments
+
+
+def _labelled_peak(samples, label: str, key: str) -> dict:
+    """{key: the peak of the samples labelled `label`}, {} when none is."""
+    top = max((smp for smp in samples if smp.label == label), key=lambda smp: sum(smp.kinds.values()), default=None)
+    return {} if top is None else {key: PhasePeak(sum(top.kinds.values()), dict(top.kinds))}
 
 
 def _segments(samples, arrivals) -> list:

@@ -6,6 +6,19 @@ fake-tensor step trace (`trace.py`) and by the measured timeline (`hfscale.proof
 untracked, 4.4 s of it there), plus an optional timeline: with `record=True` every op that changes the
 live total appends one `Sample` (op index, phase label, bytes by kind). How tensors are classified,
 counted and freed is MemTracker's own.
+
+One change to what MemTracker sees, made here for both users: its `ModTracker` hooks no module's inputs.
+ModTracker's forward pre-hook puts a `register_multi_grad_hook(inputs, mode="all")` on every input that needs
+grad, and that hook's closure holds the inputs' `grad_fn`s while being stored on those same nodes: a reference
+cycle (node -> hook -> closure -> node) that only Python's cyclic GC frees. A graph that backward runs through
+loses its saved tensors anyway; one it never runs through keeps them until the GC happens to run. peft's DoRA
+builds one per layer and step (`lora_B(lora_A(eye(in)))`, used detached): its saved in x in identity
+(16.8 MB for a 2048-wide down_proj) outlived the layer under the tracker, freed by reference count without it
+(two DoRA Linears 768 -> 2048 -> 768, 3 steps, GC off: 6 identities alive under the tracker, none without), so
+a tracked DoRA step measured whenever the GC ran (two traces of one DDP step: 590.6 / 585.9 MB). Those hooks
+only pop the module's name from `parents` after its backward, which hfscale never reads (MemTracker's
+per-module peaks are dropped, below); the name is popped at the end of backward instead, by ModTracker's own
+route for modules whose inputs need no grad.
 """
 
 from __future__ import annotations
@@ -43,10 +56,19 @@ def step_tracker(record: bool = False):
 
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class InputHooklessModTracker(ModTracker):
+        def _fw_pre_hook(self, mod, input):
+            # as if no input needed grad: no multi-grad hook on the inputs' nodes (the cycle in the module
+            # docstring); the user pre-forward hook (MemTracker's) sees no inputs, which only its per-module
+            # input bytes read
+            super()._fw_pre_hook(mod, ())
 
     class StepTracker(MemTracker):
         def __init__(self):
             super().__init__()
+            self._mod_tracker = InputHooklessModTracker()
             self.record, self.label, self.samples, self.ops, self._last = record, "", [], 0, None
             self._watched: list = []  # modules handed to track_external: their gradients are hooked per context
 
@@ -64,6 +86,12 @@ def step_tracker(record: bool = False):
 
         def _as_grad(self, grad) -> None:
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        def track_as_parameters(self, *tensors) -> None:
+            """Count `tensors` as parameters: what a frozen weight holds beside its data (bitsandbytes' NF4 quant
+            state), which MemTracker's track_external would not see as a parameter's."""
+            for t in tensors:
+                self._update_and_maybe_create_winfos(t, _MemRefType.PARAM)
 
         def track_external(self, *external) -> None:
             super().track_external(*external)

@@ -117,6 +117,19 @@ def _stage2_backward(tr: StepTrace, dp: int, rank: int, d: int, bucket: int,
     return best
 
 
+def _stage3_gathered(tr: StepTrace, d: int, steady: bool, released: int = 0) -> int:
+    """Bytes of stage 3's gathered parameters: the one rule forward and the backward walk read. Step 1 releases each
+    module's parameters after use (at the forward peak, the loss, and the backward peak, its start, none were gathered
+    on the measured rows); steady steps keep every parameter gathered below the reuse distance, but the `released`
+    elements (modules whose backward is done), frozen ones (LoRA's base) alike (measured on a 101.6M Gemma 3 with
+    LoRA: benchmarks/results/adapters.md); above it the largest module's parameters and gradients (2x)."""
+    if not steady:
+        return 0
+    if tr.params > REUSE_DISTANCE:
+        return 2 * tr.largest_module_param_bytes
+    return d * (tr.params - released)
+
+
 def _stage3_backward(tr: StepTrace, d: int, hidden: int, steady: bool, grad_accum: int) -> dict[str, int]:
     """Stage 3's backward peak walked over the traced gradient arrivals (DeepSpeed 0.19 stage3.py:
     reduce_independent_p_g_buckets_and_remove_grads, partition_grads; partitioned_param_coordinator.py:
@@ -144,12 +157,7 @@ def _stage3_backward(tr: StepTrace, d: int, hidden: int, steady: bool, grad_accu
             # micro batches' sums, which DeepSpeed keeps in its partition buffer), plus the arriving and pending ones
             taken = d * (tr.trainable_params if m else arrived)
             out["gradients"] = max(kinds.get("gradients", 0) - taken, 0) + (d * (walk[k - 1][1] + n) if k else 0)
-            if not steady:
-                out["parameters"] = 0
-            elif tr.params > REUSE_DISTANCE:
-                out["parameters"] = 2 * tr.largest_module_param_bytes
-            else:
-                out["parameters"] = d * (tr.params - released)
+            out["parameters"] = _stage3_gathered(tr, d, steady, released)
             released += n if k and n > persistent else 0
             if sum(out.values()) > sum(best.values()):
                 best = out
@@ -193,12 +201,7 @@ def deepspeed_phases(tr: StepTrace, zero: int, dp: int, offload: str, hidden: in
             # overlap_comm buffers and the gradients of the bucket being filled (reduce_bucket_size elements each)
             kinds["gradients"] = d * part + 3 * hidden * hidden * d
         if zero == 3:
-            # step 1 releases each module's parameters after use: at the forward peak (the loss) and the backward
-            # peak (its start) none were gathered on the measured rows
-            # frozen parameters (LoRA's base) are partitioned and gathered alike: all of them stay gathered below the
-            # reuse distance (measured on a 101.6M Gemma 3 with LoRA: benchmarks/results/adapters.md)
-            kinds["parameters"] = ((d * tr.params if tr.params <= REUSE_DISTANCE else 2 * tr.largest_module_param_bytes)
-                                   if steady else 0)
+            kinds["parameters"] = _stage3_gathered(tr, d, steady)
         else:
             kinds["parameters"] = k.get("parameters", 0)
         if phase == "backward" and zero == 3 and tr.grad_arrivals:

@@ -436,18 +436,25 @@ def write_weights(model, directory) -> Path:
     return directory
 
 
+def quant_state_tensors(weight) -> list:
+    """The tensors a bitsandbytes 4-bit weight holds beside its packed bytes (absmax, the double quantization's
+    nested absmax, the offset); [] for any other tensor. Attributes of the weight's quant_state: neither parameters
+    nor buffers, so a memory tracker must be handed them (hfscale.plan.profiler)."""
+    qs = getattr(weight, "quant_state", None)
+    if qs is None:
+        return []
+    held = (qs.absmax, getattr(getattr(qs, "state2", None), "absmax", None), getattr(qs, "offset", None))
+    return [t for t in held if t is not None and hasattr(t, "numel")]
+
+
 def nf4_bytes(model) -> int:
     """Bytes the 4-bit weights of `model` hold (packed weights + their absmax / double-quant state)."""
     total = 0
     for m in model.modules():
         w = getattr(m, "weight", None)
-        qs = getattr(w, "quant_state", None)
-        if qs is None:
+        if getattr(w, "quant_state", None) is None:
             continue
-        total += w.numel() * w.element_size()
-        for t in (qs.absmax, getattr(getattr(qs, "state2", None), "absmax", None), getattr(qs, "offset", None)):
-            if t is not None and hasattr(t, "numel"):
-                total += t.numel() * t.element_size()
+        total += w.numel() * w.element_size() + sum(t.numel() * t.element_size() for t in quant_state_tensors(w))
     return total
 
 
