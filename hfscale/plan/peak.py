@@ -41,8 +41,9 @@ from .trace import PhasePeak, StepTrace, trace_step
 # 3: gradient arrivals in backward, for ZeRO-2's per-rank partition; 4: no S x S mask where checkpointing turns the
 # cache off, trace._unpacked_rows; 5: no module-input hooks, so a graph backward never runs through is freed when
 # its last reference goes, not when the GC runs: DoRA's delta weight, tracker.py; 6: the forward's peak within the
-# decoder layers, StepTrace.forward_in_layers)
-TRACE_FORMAT = 6
+# decoder layers, StepTrace.forward_in_layers; 7: a packed step's LM head and loss at the trained positions only,
+# hfscale.models.loss.head_at)
+TRACE_FORMAT = 7
 
 
 trace_precision = runs_as  # what a planned precision runs as: decided in one place (memory.runs_as)
