@@ -116,6 +116,8 @@ def train(cfg, force, pre, parallel, store) -> int:
     # an adapter's checkpoints hold no base: they record which (source, and the live frozen bytes' digest) instead
     base = {**source_key(cfg.model, cfg.seed), "digest": base_digest(accelerator.unwrap_model(model))} if spec.enabled else None
     start = resume_from(accelerator, resume, "train_clm", model, base)
+    if base and resume is not None and "base" not in resume.meta:  # a checkpoint from before adapter-only saves loaded
+        base["digest"] = base_digest(accelerator.unwrap_model(model))  # its own base: the next checkpoints name that one
     log = MetricsLog(out / "metrics.jsonl", enabled=main_rank)
     meta = {"model": cfg.model, "model_fingerprint": model_fingerprint(pre.model_config, spec), "world": plan.world,
             "tokens_per_step": plan.tokens_per_step, "data_key": store.key, **({"base": base} if base else {})}

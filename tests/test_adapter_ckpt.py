@@ -88,12 +88,18 @@ def test_another_base_source_is_refused_before_a_launch(tmp_path):
     with pytest.raises(HfscaleError, match=r"trained on another base \(seed 0 \(now 1\)\); resume with --model "
                                            r"tiny-gemma3 --seed 0, or start a new --output-dir$"):
         check_source(tmp_path, saved, source_key("tiny-gemma3", 1))
-    # a directory: its config and weight files' names, sizes and safetensors headers, no tensor read
+    # a directory: its weight files' names, sizes and safetensors headers, no tensor read; its path is shown only
+    import shutil
+
     from hfscale.models import build_model
 
     model = build_model("tiny-gemma3", seed=0, dtype=torch.float32)
     one = source_key(str(write_weights(model, tmp_path / "one")), 0)
     assert one["files"] and source_key(str(tmp_path / "one"), 7) == one  # the seed builds nothing there
+    shutil.copytree(tmp_path / "one", tmp_path / "moved")
+    (tmp_path / "moved" / "config.json").write_text((tmp_path / "one" / "config.json").read_text() + "\n")  # re-saved
+    (tmp_path / "moved" / "training_args.bin").write_bytes(b"x")  # not a weight file
+    check_source(tmp_path, one, source_key(str(tmp_path / "moved"), 0))  # the same weights elsewhere: the same base
     write_weights(model.to(torch.bfloat16), tmp_path / "one")  # other dtypes in the header: another base
     with pytest.raises(HfscaleError, match="trained on another base"):
         check_source(tmp_path, one, source_key(str(tmp_path / "one"), 0))

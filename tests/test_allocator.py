@@ -2,6 +2,7 @@
 nothing in; with the defaults the heap top beyond the trim threshold goes back to the kernel and every step faults
 it in again. Each case in its own process (mallopt is process-wide); no torch."""
 
+import os
 import subprocess
 import sys
 
@@ -37,7 +38,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", STEP, mode], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's own settings would stand
+    out = subprocess.run([sys.executable, "-c", STEP, mode], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1])
 
@@ -48,3 +50,10 @@ def test_freed_memory_is_reused_without_page_faults():
     default, kept = _faults("default"), _faults("set")
     assert default > 20_000, default
     assert kept < 500, kept
+
+
+def test_the_users_own_glibc_settings_stand(monkeypatch):
+    from hfscale.util.allocator import retain_freed_memory
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")  # read by glibc at start; mallopt would override it
+    assert retain_freed_memory() is False

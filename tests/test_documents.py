@@ -184,6 +184,35 @@ def test_head_runs_at_trained_positions_only(family):
     assert not _close(_loss_only(model, forward_kwargs(off, "sdpa"), n), ref.detach(), 10 * LOSS_RTOL)
 
 
+def test_a_micro_batch_that_trains_nothing_still_runs_and_adds_zero():
+    """No trained token (a packed row of masked prompts): the loss is 0.0 with a graph (every parameter's gradient
+    zero, backward runs: under ZeRO-3 / FSDP2 each rank must take part in every forward and backward), the head
+    given [1, 0, h]. loop.evaluate runs it too rather than skipping the forward on that rank alone."""
+    model = _model("gemma3", "sdpa")
+    batch, _ = _batch(model.config.vocab_size)
+    batch = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    loss = lm_loss(model, batch, 1)
+    loss.backward()
+    assert loss.item() == 0.0 and loss.grad_fn is not None
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_a_mixture_of_experts_keeps_its_router_loss():
+    """A mixture of experts asked for its router logits adds its load-balancing loss to the loss it computes: lm_loss
+    takes the model's own loss there (hfscale.models.loss.own_loss), equal to it to the bit; the cross-entropy alone
+    (the head cut to the trained positions) differs by the auxiliary term, so the test can fail."""
+    model = _model("qwen3_moe", "sdpa")
+    model.config.output_router_logits = True
+    batch, _ = _batch(model.config.vocab_size)
+    n = int(trained_tokens(batch["labels"]))
+    with torch.no_grad():
+        out = model(**forward_kwargs(batch, "sdpa"), num_items_in_batch=n)
+        assert out.aux_loss is not None and out.aux_loss.item() > 0
+        assert torch.equal(lm_loss(model, batch, n), out.loss)
+        model.config.output_router_logits = False
+        assert not _close(lm_loss(model, batch, n), out.loss, LOSS_RTOL)
+
+
 def test_two_micro_batches_normalise_by_the_step_count():
     """Micro batches of 20 and of 156 trained tokens: the shares over the step's count add up to the one batch's
     sum / count (and its gradient); the mean of the two means does not."""

@@ -87,6 +87,23 @@ def test_compare_adapters_side_by_side(capsys):
         trace_step(load_config("tiny-gemma3"), 1, 32, lora_rank=4, adapter="qlora")
 
 
+def test_zero3_qlora_above_the_reuse_distance_falls_back_to_the_analytic_terms(monkeypatch):
+    """Above stage3_max_reuse_distance ZeRO-3 gathers one module at a time, which the NF4 swap does not model: the
+    step is not traced (refused before tracing, as a TraceError the planner takes to the analytic terms), never an
+    error that stops the whole plan (a 1B+ model's `hfscale plan --adapter qlora` once did)."""
+    from hfscale.plan import zero
+    from hfscale.plan.adapters import compare_adapters
+    from hfscale.plan.peak import step_prediction
+    from hfscale.plan.trace import TraceError
+
+    monkeypatch.setattr(zero, "REUSE_DISTANCE", 1000)  # the tiny model's 3M parameters are "above" it
+    with pytest.raises(TraceError, match="not traced"):
+        step_prediction(load_config("tiny-gemma3"), 1, 32, "fp32", "sdpa", lora_rank=4, adapter="qlora", zero=3, dp=2)
+    # seq_len 24: a step no other test caches (the cached prediction of a traced step would be read back)
+    (row,) = compare_adapters("tiny-gemma3", 24, 1, rank=4, precision="fp32", zero=3, dp=2, kinds=("qlora",))
+    assert row.source == "analytic" and "not traced" in row.note
+
+
 @pytest.mark.parametrize("kind, zero, storage", [("lora", 0, None), ("qlora", 3, "bfloat16")])
 def test_write_round_trips_the_adapter(tmp_path, kind, zero, storage):
     # the pick carries the adapter planned; recipe.yaml's adapter section reads back to the same spec, the

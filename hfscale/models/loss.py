@@ -25,7 +25,10 @@ built-in chat set at seq_len 1024: 9,877 trained of 25,676 real tokens, 38%); tr
 takes a boolean [B, S] mask for the same cut, but indexing by a mask has a data-dependent shape the planner's fake
 tensors cannot trace, so the count is read once on the host and the gather has a fixed size (`nonzero_static`).
 The loss is the same sum (fp32 log-softmax, as transformers' loss upcasts) up to the order of the summation.
-Under the tiled-loss lever (hfscale.scale.long_context.tile_loss_) the model's own tiled forward computes it.
+The model's own loss (every position) is taken instead where the cut does not apply (`own_loss`): under the
+tiled-loss lever (hfscale.scale.long_context.tile_loss_, whose tiled forward computes it), for a mixture of experts
+that adds its router's load-balancing loss (output_router_logits), for a model without an output embeddings module.
+Under Ulysses SP the loss is hfscale.scale.ulysses.sp_lm_loss's, its head over every position of the rank's slice.
 
 The old full-block path (a [B, S] tensor whose labels are its inputs) keeps transformers' per-batch mean,
 bit for bit (`lm_loss(model, tensor)`).
@@ -100,6 +103,17 @@ def head_at(model, index):
         handle.remove()
 
 
+def own_loss(model) -> bool:
+    """Whether the model's own loss (over every position, from its labels) is the one to take rather than the head at
+    the trained positions: the tiled-loss lever's forward computes it per tile; a mixture of experts asked for its
+    router logits adds its load-balancing loss to it (Mixtral, Qwen3-MoE: output_router_logits); a model with no
+    output embeddings module has no head to cut."""
+    inner = unwrapped(model)
+    get_head = getattr(inner, "get_output_embeddings", None)
+    return bool(getattr(inner, "loss_tiles", 0) or getattr(getattr(inner, "config", None), "output_router_logits", False)
+                or get_head is None or get_head() is None)
+
+
 def lm_loss(model, batch, denominator=None, trained: int | None = None):
     """Next-token loss of one micro batch.
 
@@ -115,13 +129,19 @@ def lm_loss(model, batch, denominator=None, trained: int | None = None):
     if isinstance(batch, torch.Tensor):
         return model(input_ids=batch, labels=batch).loss
     kwargs = forward_kwargs(batch, attn_implementation(model))
-    if getattr(unwrapped(model), "loss_tiles", 0):  # the tiled forward computes the loss from its labels
+    if own_loss(model):  # the model's loss over every position, from its labels
         if denominator is not None:
             kwargs["num_items_in_batch"] = denominator
         return model(**kwargs).loss
     index, targets = trained_positions(kwargs.pop("labels"), trained)
     with head_at(model, index):
         logits = model(**kwargs).logits
+    if logits.shape[-2] != index.numel():  # the model made its logits without calling its output embeddings
+        from ..util.errors import HfscaleError
+
+        raise HfscaleError(f"{type(unwrapped(model)).__name__} computes its logits without its output embeddings "
+                           f"module ({logits.shape[-2]} positions, {index.numel()} trained): hfscale's loss cannot cut "
+                           "the head to the trained positions for it; report the model family")
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, reduction="sum")
     if denominator is None:
         denominator = max(index.numel(), 1)
@@ -141,5 +161,5 @@ def token_nll(logits, labels):
     return nll, (target != IGNORE_INDEX).sum()
 
 
-__all__ = ["backward_scale", "global_trained_tokens", "head_at", "lm_loss", "token_nll", "trained_positions",
-           "trained_tokens"]
+__all__ = ["backward_scale", "global_trained_tokens", "head_at", "lm_loss", "own_loss", "token_nll",
+           "trained_positions", "trained_tokens"]

@@ -190,6 +190,14 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
         refused = _qlora_refusal(engine)
         if refused is not None:
             raise HfscaleError(refused)
+        from ..models.dims import dims_from_config
+        from .trace import TraceError
+        from .zero import REUSE_DISTANCE
+
+        if engine == "deepspeed" and zero == 3 and dims_from_config(config).params > REUSE_DISTANCE:
+            # checked before tracing: the planner's Predictor takes a TraceError to the analytic terms
+            raise TraceError("QLoRA under ZeRO-3 above stage3_max_reuse_distance (one module gathered at a time) is "
+                             "not traced")
         nf4_delta = _nf4_delta(config, kw["precision"])
         adapter = "lora"
     if lora_rank:  # the recipe's targets (not peft's all-linear, as adapter traces were cached before): new keys
@@ -226,11 +234,6 @@ def step_prediction(config, micro_batch: int, seq_len: int, precision: str, atte
     if nf4_delta:  # QLoRA: the frozen decoder linears held as NF4 wherever the base is held whole: every phase under
         # DDP and ZeRO-1/2, ZeRO-3's gathered parameters (steady steps: all of them below the reuse distance; step 1
         # gathers none at its peaks: nothing to lay the NF4 base over)
-        from .zero import REUSE_DISTANCE
-
-        if engine == "deepspeed" and zero == 3 and tr.params > REUSE_DISTANCE:
-            raise HfscaleError("QLoRA under ZeRO-3 above stage3_max_reuse_distance (one module gathered at a time) is "
-                               "not traced: planned from the analytic terms")
         steps = {s: {ph: {**k, "parameters": k["parameters"] - nf4_delta} if k.get("parameters") else k
                       for ph, k in v.items()} for s, v in steps.items()}
     from .zero import HOST, split_host

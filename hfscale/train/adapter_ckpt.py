@@ -73,7 +73,9 @@ def adapter_only(accelerator, model):
 
 def source_key(model: str, seed: int) -> dict:
     """The base a run builds, from its source alone (no tensor read): a built-in name and the seed it is built with,
-    or a directory's path and an xxh3 of config.json and each weight file's name, size and safetensors header."""
+    or a directory's path (shown, not compared: the same weights under another path or spelling are the same base)
+    and an xxh3 of each weight file's name, size and safetensors header (not config.json, whose transformers_version
+    a re-save changes; what the weights are is the digest's to say, `base_digest`)."""
     from ..models.builtin import is_builtin
     from ..util.hashing import hash_text
 
@@ -81,7 +83,7 @@ def source_key(model: str, seed: int) -> dict:
         return {"source": model, "seed": int(seed)}
     root, parts = Path(model), []
     if root.is_dir():
-        for f in sorted([root / "config.json", *root.glob("*.safetensors"), *root.glob("*.bin")]):
+        for f in sorted([*root.glob("*.safetensors"), *root.glob("pytorch_model*.bin")]):
             if not f.is_file():
                 continue
             parts += [f.name, str(f.stat().st_size)]
@@ -89,8 +91,6 @@ def source_key(model: str, seed: int) -> dict:
                 with open(f, "rb") as fh:
                     n = int.from_bytes(fh.read(8), "little")
                     parts.append(fh.read(min(n, 100 << 20)).decode("utf-8", "replace"))
-            elif f.name == "config.json":
-                parts.append(f.read_text())
     return {"source": model, "files": hash_text(*parts) if parts else None}
 
 
@@ -101,8 +101,10 @@ def check_source(path: Path, saved: dict | None, now: dict) -> None:
     if not isinstance(saved, dict):
         raise HfscaleError(f"checkpoint {path}'s marker names its base as {saved!r}, not a mapping: the marker was edited; "
                            "resume from another checkpoint or start a new --output-dir")
-    if {k: saved.get(k) for k in now} != now:
-        diff = ", ".join(f"{k} {saved.get(k)!r} (now {now[k]!r})" for k in now if saved.get(k) != now[k])
+    # a directory is compared by its weight files (its path only shown); a built-in by its name and seed
+    keys = [k for k in now if not (k == "source" and "files" in now)]
+    if any(saved.get(k) != now[k] for k in keys):
+        diff = ", ".join(f"{k} {saved.get(k)!r} (now {now[k]!r})" for k in keys if saved.get(k) != now[k])
         raise HfscaleError(f"checkpoint {path} holds an adapter without its base and was trained on another base ({diff}); "
                            f"resume with --model {saved.get('source')}" + (f" --seed {saved['seed']}" if "seed" in saved else "")
                            + ", or start a new --output-dir")
@@ -120,7 +122,7 @@ def base_digest(module) -> str:
     def add(name, t):
         t = t.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no second host copy
 
     for name, p in module.named_parameters():
         if p.requires_grad:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 # the one next-token loss (full blocks' mean, or a packed batch's trained-token sum / the step's count), re-exported
 # as train_steps' default loss_fn and for the recipes (no torch at import)
-from ..models.loss import lm_loss, trained_tokens
+from ..models.loss import lm_loss, own_loss, trained_tokens
 
 
 def lr_at(step: int, cfg) -> float:
@@ -229,8 +229,9 @@ def evaluate(model, accelerator, val, micro_batch: int) -> float:
             for j in range(rank * share, (rank + 1) * share):
                 batch = {k: v.to(accelerator.device) for k, v in val[j].items()}
                 n = trained_tokens(batch["labels"])
-                if n:  # the summed loss: divided by 1
-                    total += torch.stack([lm_loss(model, batch, 1).double(), n.double()]).to(total.device)
+                # the summed loss (divided by 1); a micro batch that trains nothing still runs its forward (0.0):
+                # under ZeRO-3 / FSDP2 every rank must take part in each forward's gathers
+                total += torch.stack([lm_loss(model, batch, 1).double(), n.double()]).to(total.device)
     model.train()
     total = accelerator.reduce(total, reduction="sum")
     return float(total[0] / total[1].clamp(min=1))
@@ -408,13 +409,16 @@ def train_steps(accelerator, model, optimizer, cfg, plan, train_blocks, val_bloc
         profiled = prof is not None and step - start < cfg.profile_memory
         phase = (lambda name: prof.phase(name, step - start + 1)) if profiled else (lambda name: contextlib.nullcontext())
         reader = accelerator.process_index if data_rank is None else data_rank
+        # the head runs at the trained positions (hfscale.models.loss) but under SP (data_rank: sp_lm_loss, every
+        # position of the rank's slice) and where the model's own loss is taken
+        head_cut = data_rank is None and not own_loss(model)
         trained = None if read_batch is None else step_tokens(step)
         for micro in range(plan.accum):
             if read_batch is None:
                 batch = train_blocks[rank_indices(plan, len(train_blocks), cfg.seed, step, micro, reader)].to(accelerator.device)
             else:
                 batch = {k: v.to(accelerator.device) for k, v in read_batch(step, micro, reader).items()}
-                if profiled:  # the head's rows: the plan traces the most a micro batch trains
+                if profiled and head_cut:  # the head's rows: the plan traces the most a micro batch trains
                     prof.saw_trained(trained_tokens(batch["labels"]))
             with accelerator.accumulate(model):
                 with phase("forward"):

@@ -217,7 +217,11 @@ class Checkpoints:
                 stage = [str(begin_stage(final, directory=True))]
             except HfscaleError as e:
                 stage = [f"error: {e}"]
-        stage = broadcast_object_list(stage)[0]
+        try:
+            stage = broadcast_object_list(stage)[0]
+        except BaseException:  # a peer gone: the adapter-only hooks come off the model all the same
+            scope.close()
+            raise
         if stage.startswith("error: "):
             scope.close()
             raise CheckpointWriteError(f"checkpoint {final.name}: {stage[7:]}")
