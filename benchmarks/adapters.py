@@ -20,7 +20,10 @@
    with the chat template, packed into blocks) at each lr of a small grid (LR_GRID, every kind, full included); per
    kind the lr with the lowest loss on a selection split carved from the training conversations (every 10th, never
    trained on) is selected, and its loss on the held-out validation conversations is reported. Every run is kept.
-   The tiny model (not the >= 100M one) because this host trains it in minutes.
+   The tiny model (not the >= 100M one) because this host trains it in minutes. Each loss is also split by the kind
+   of the predicted token (the tokens the chat template writes vs the contents, hfscale.data.formats.template_mask):
+   most of full fine-tuning's improvement is learning the template, which LoRA on the linears learns less of; the
+   kind "LoRA + template tokens" trains those embedding rows too (AdapterSpec trainable_tokens "template").
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ OUT = ROOT / "benchmarks" / "results"
 ENGINES = {"DDP": "ddp", "ZeRO-2": "zero2", "ZeRO-3": "zero3", "FSDP2": "fsdp2"}
 KINDS = ("none", "lora", "dora", "qlora")
 NAMES = {"none": "full", "lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA", "lora+": "LoRA+ (B's lr x16)",
-         "rslora": "rsLoRA (alpha / sqrt r)"}
-# the eval part also sweeps the two LoRA variants peers offer (hfscale.scale.adapters.AdapterSpec's lora_plus_ratio, the
-# LoRA+ paper's 16, and rslora), the same rank and alpha; they are not the recipe's default, so the target reads plain LoRA
-EVAL_KINDS = KINDS + ("lora+", "rslora")
+         "rslora": "rsLoRA (alpha / sqrt r)", "lora_tpl": "LoRA + template tokens",
+         "lora+_tpl": "LoRA+ + template tokens", "lora_r64": "LoRA r64 (alpha 2r)"}
+# the eval part also sweeps the LoRA variants peers offer, not the recipe's default, so the target row names plain
+# LoRA beside them: LoRA+ (AdapterSpec's lora_plus_ratio, the paper's 16) and rslora at the same rank and alpha; LoRA
+# (and LoRA+) with the rows of the tokens the chat template writes trained (AdapterSpec trainable_tokens "template",
+# peft's trainable_token_indices, the tied lm_head kept tied: the base never saw the template, see the table per token
+# kind); rank 64 at the same alpha / r
+EVAL_KINDS = KINDS + ("lora+", "rslora", "lora_tpl", "lora+_tpl", "lora_r64")
 # a Gemma 3 of 101.6M parameters (12 layers of 768, vocab 32,768): >= 100M as the issue asks, small enough that a
 # 2-process fp32 step of 64 tokens runs in seconds on 2 shared cores
 MODEL_CONFIG = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=32768, hidden_size=768,
@@ -61,6 +68,11 @@ def host() -> str:
                 if ln.startswith("model name")), platform.processor())
     return (f"{cpu}, {os.cpu_count()} cores (shared with other jobs), torch {torch.__version__} CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}")
+
+
+def ran_here() -> str:
+    """Where and when a part or row ran: the host, the UTC minute and the 1-min load average (the one home of that line)."""
+    return f"{host()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}"
 
 
 def model_dir(work: Path) -> Path:
@@ -94,7 +106,7 @@ def memory(work: Path, results: dict, only=None) -> None:
                                 "--micro-batch", str(MICRO), "--precision", "fp32", "--out", str(out), "--force", "--json"],
                                capture_output=True, text=True, timeout=900)
             row = {"engine": engine, "kind": kind, "seconds": round(time.time() - t0, 1),
-                   "ran": f"{host()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}"}
+                   "ran": ran_here()}
             if r.returncode != 0:
                 err = [ln for ln in r.stderr.splitlines() if ln.strip() and "Warning" not in ln]
                 row["error"] = (err[-1] if err else f"exit {r.returncode}")[:300]
@@ -182,36 +194,52 @@ SELECT_EVERY = 10  # every 10th training conversation is the selection split (lr
 # one more point 3x above is run (once), so no kind is held at the edge of its grid. DoRA and QLoRA get two points
 # (bounded run time: ~5 min per run on the loaded 2-core host); LoRA, the target's kind, and full three
 LR_GRID = {"none": (1e-4, 3e-4, 1e-3), "lora": (1e-3, 3e-3, 1e-2), "dora": (3e-3, 1e-2), "qlora": (3e-3, 1e-2),
-           "lora+": (3e-4, 1e-3, 3e-3), "rslora": (1e-3, 3e-3)}
+           "lora+": (3e-4, 1e-3, 3e-3), "rslora": (1e-3, 3e-3), "lora_tpl": (3e-3, 1e-2), "lora+_tpl": (3e-4, 1e-3, 3e-3),
+           "lora_r64": (1e-3, 3e-3, 1e-2)}
+EVAL_SPECS = {"lora+": {"lora_plus_ratio": 16.0}, "rslora": {"rslora": True}, "lora_tpl": {"trainable_tokens": "template"},
+              "lora+_tpl": {"lora_plus_ratio": 16.0, "trainable_tokens": "template"}, "lora_r64": {"rank": 64}}
 
 
-def eval_spec(kind: str):
-    """The AdapterSpec an eval kind trains (EVAL_KINDS)."""
+def eval_spec(kind: str, template_ids=()):
+    """The AdapterSpec an eval kind trains (EVAL_KINDS); "template" tokens resolved to `template_ids`."""
     from hfscale.scale.adapters import AdapterSpec
 
-    extra = {"lora+": {"lora_plus_ratio": 16.0}, "rslora": {"rslora": True}}.get(kind, {})
-    return AdapterSpec("lora" if extra else kind, rank=RANK, **extra)
+    extra = {"rank": RANK, **EVAL_SPECS.get(kind, {})}
+    return AdapterSpec("lora" if kind in EVAL_SPECS else kind, **extra).with_tokens(template_ids)
 
 
 def chat_splits(tok, seq_len: int) -> dict:
     """{train, select, heldout}: packed blocks of the built-in chat set's training conversations less every
     SELECT_EVERY-th (train), those (select: where the lr is chosen), and its validation conversations (heldout:
-    reported only). Each split is packed on its own, so no block mixes two splits."""
+    reported only). Each split is packed on its own, so no block mixes two splits. {select, heldout}_template: per
+    token, whether the chat template wrote it (hfscale.data.formats.template_mask; the packing's BOS / EOS count as
+    template), for the losses per token kind."""
     import gzip
 
+    import torch
+
     from hfscale.data.corpus import packed_blocks
+    from hfscale.data.formats import template_mask
     from hfscale.data.sources import BUILTIN_CHAT, builtin_files
     from hfscale.models.builtin import builtin_chat_template
 
-    def texts(split):
-        rows = [json.loads(x) for x in gzip.open(builtin_files(BUILTIN_CHAT)[split], "rt")]
-        return [tok.apply_chat_template(r["messages"], tokenize=False, chat_template=builtin_chat_template())
-                for r in rows]
-
-    train = texts("train")
-    return {"train": packed_blocks(tok, [t for i, t in enumerate(train) if i % SELECT_EVERY != SELECT_EVERY - 1], seq_len),
-            "select": packed_blocks(tok, train[SELECT_EVERY - 1::SELECT_EVERY], seq_len),
-            "heldout": packed_blocks(tok, texts("validation"), seq_len)}
+    template = builtin_chat_template()
+    rows = {split: [json.loads(x)["messages"] for x in gzip.open(path, "rt")]
+            for split, path in builtin_files(BUILTIN_CHAT).items()}
+    convs = {"train": [c for i, c in enumerate(rows["train"]) if i % SELECT_EVERY != SELECT_EVERY - 1],
+             "select": rows["train"][SELECT_EVERY - 1::SELECT_EVERY], "heldout": rows["validation"]}
+    out = {}
+    for split, cs in convs.items():
+        out[split] = packed_blocks(tok, [tok.apply_chat_template(c, tokenize=False, chat_template=template) for c in cs],
+                                   seq_len)
+        if split == "train":
+            continue
+        enc = [template_mask(tok, c, template) for c in cs]
+        n = out[split].numel()  # packed_blocks: each conversation BOS ... EOS, concatenated, cut into blocks
+        ids = [t for i, _ in enc for t in [tok.bos_token_id, *i, tok.eos_token_id]][:n]
+        assert ids == out[split].flatten().tolist(), "template_mask tokenized other ids than packed_blocks"
+        out[f"{split}_template"] = torch.tensor([m for _, ms in enc for m in [True, *ms, True]][:n]).view_as(out[split])
+    return out
 
 
 def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=EVAL_KINDS) -> None:
@@ -220,8 +248,9 @@ def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=EVAL_KINDS
     Runs already in the results with the same steps are not rerun."""
     import torch
 
-    from hfscale.models.builtin import TINY, build_model, load_tokenizer
-    from hfscale.models.loss import lm_loss
+    from hfscale.data.formats import template_token_ids
+    from hfscale.models.builtin import TINY, build_model, builtin_chat_template, load_tokenizer
+    from hfscale.models.loss import lm_loss, token_nll
     from hfscale.scale.adapters import adapter_param_groups, apply_adapter, load_quantized_base
     from hfscale.testing.trained import trained_tiny
 
@@ -230,20 +259,32 @@ def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=EVAL_KINDS
     seq, batch = 128, 8
     data = chat_splits(tok, seq)
     train = data["train"]
+    template_ids = template_token_ids(tok, builtin_chat_template())
 
     def losses(model):
         model.eval()
         out = {}
         with torch.no_grad():
             for split in ("select", "heldout"):
-                blocks = data[split]
-                vals = [lm_loss(model, blocks[i:i + 16]).item() for i in range(0, len(blocks), 16)]
+                blocks, kinds = data[split], data[f"{split}_template"]
+                vals, sums = [], {"template": [0.0, 0], "content": [0.0, 0]}
+                for i in range(0, len(blocks), 16):  # the split's loss: the mean of 16-block means (lm_loss's, as before)
+                    ids, tm = blocks[i:i + 16], kinds[i:i + 16]
+                    logits = model(input_ids=ids).logits
+                    nll, n = token_nll(logits, ids)
+                    vals.append(nll.item() / int(n))
+                    for name, keep in (("template", tm), ("content", ~tm)):  # token-weighted, per kind of next token
+                        nll, n = token_nll(logits, torch.where(keep, ids, -100))
+                        sums[name][0] += nll.item()
+                        sums[name][1] += int(n)
                 out[split] = round(sum(vals) / len(vals), 4)
+                out[f"{split}_by_kind"] = {k: round(v[0] / v[1], 4) for k, v in sums.items()}
+                out[f"{split}_tokens"] = {k: v[1] for k, v in sums.items()}
         return out
 
     old = results.get("eval", {})
     e = {"steps": steps, "batch": batch, "seq_len": seq, "train_blocks": len(train), "select_blocks": len(data["select"]),
-         "heldout_blocks": len(data["heldout"]), "select_every": SELECT_EVERY,
+         "heldout_blocks": len(data["heldout"]), "select_every": SELECT_EVERY, "template_tokens": list(template_ids),
          "grid": {k: list(v) for k, v in grid.items()}, "rows": {},
          "runs": old.get("runs", {}) if old.get("steps") == steps and "select_blocks" in old else {}}
     if e["runs"]:  # kinds not swept now keep the grid they ran (with its extension)
@@ -251,7 +292,7 @@ def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=EVAL_KINDS
     results["eval"] = e
 
     def run(kind: str, lr: float, start: dict | None) -> dict:
-        spec = eval_spec(kind)
+        spec = eval_spec(kind, template_ids)
         torch.manual_seed(0)
         model = (load_quantized_base(str(base_dir), torch.float32, torch.uint8, scratch=work / "tiny-nf4")
                  if spec.base_bits == 4 else build_model(str(base_dir), dtype=torch.float32))
@@ -305,6 +346,10 @@ def select_rows(e: dict) -> None:
                            "end": best["end"]["heldout"], "seconds": best["seconds"],
                            "improvement": round(best["start"]["heldout"] - best["end"]["heldout"], 4),
                            "complete": all(f"{kind}@{lr:g}" in e["runs"] for lr in e["grid"][kind])}
+        if "heldout_by_kind" in best["end"]:  # measured since the per-token-kind split
+            e["rows"][kind]["by_kind"] = {k: [best["start"]["heldout_by_kind"][k], v]
+                                          for k, v in best["end"]["heldout_by_kind"].items()}
+            e["rows"][kind]["tokens"] = best["end"]["heldout_tokens"]
     if "none" in e["rows"]:
         full = e["rows"]["none"]["improvement"]
         for r in e["rows"].values():
@@ -347,10 +392,13 @@ def report(results: dict) -> str:
                      f"{'yes' if abs(n['error_pct']) <= 5 else 'no'} |")
     e = results.get("eval", {}).get("rows", {})
     if "lora" in e and "of_full" in e["lora"]:
-        variants = "".join(f"; {NAMES[k]} {100 * e[k]['of_full']:.1f}%" for k in ("lora+", "rslora") if k in e)
-        lines.append(f"| LoRA >= 80% of full fine-tuning's eval-loss improvement | {100 * e['lora']['of_full']:.1f}% "
-                     f"(each kind's lr selected on a split of the training conversations{variants}) | "
-                     f"{'yes' if e['lora']['of_full'] >= 0.8 else 'no'} |")
+        variants = [k for k in EVAL_KINDS[len(KINDS):] if k in e]
+        met = [NAMES[k] for k in variants if e[k]["of_full"] >= 0.8]
+        lines.append(f"| LoRA >= 80% of full fine-tuning's eval-loss improvement | plain LoRA {100 * e['lora']['of_full']:.1f}% "
+                     "(each kind's lr selected on a split of the training conversations; "
+                     + "; ".join(f"{NAMES[k]} {100 * e[k]['of_full']:.1f}%" for k in variants) + ") | "
+                     + ("yes" if e["lora"]["of_full"] >= 0.8 else "plain LoRA: no" + (
+                         f"; {', '.join(met)}: yes" if met else "")) + " |")
     lines.append("")
     if mem:
         lines += ["## Per-rank peak and tokens/s under each engine", "",
@@ -452,6 +500,29 @@ def report(results: dict) -> str:
             lines.append(f"| {NAMES[kind]} | {r['lr']:g}{'' if r.get('complete', True) else ' (grid not finished)'} | "
                          f"{r['trainable']:,} | {r['start']:.4f} | {r['end']:.4f} | "
                          f"{r['improvement']:.4f} | {100 * r['of_full']:.1f}% | {r['seconds']} |")
+        split = {k: r for k, r in e["rows"].items() if "by_kind" in r}
+        if split:
+            tpl = e.get("template_tokens", [])
+            lines += ["", "Where the improvement comes from: the held-out loss per kind of predicted token, the tokens the "
+                      f"chat template writes ({len(tpl)} ids: the pieces of `<start_of_turn>`, `<end_of_turn>`, the role "
+                      "names, newline, BOS; hfscale.data.formats.template_mask, the packing's BOS / EOS counted with them) "
+                      "and the contents. The built-in tokenizer has no ids for the turn markers: each is 7 ordinary "
+                      "pieces, and every one of those ids occurs in the pre-training corpus (`turn` twice, `start` 48 "
+                      "times), so no embedding row is untrained, but the corpus never shows the template's sequences. "
+                      "Share: the template tokens' part of the token-weighted improvement.", "",
+                      "| kind | template tokens: start / end | content: start / end | template share of the "
+                      "improvement |", "|---|---|---|---|"]
+            for kind, r in split.items():
+                (t0, t1), (c0, c1), n = r["by_kind"]["template"], r["by_kind"]["content"], r["tokens"]
+                dt, dc = n["template"] * (t0 - t1), n["content"] * (c0 - c1)
+                lines.append(f"| {NAMES[kind]} | {t0:.4f} / {t1:.4f} | {c0:.4f} / {c1:.4f} | "
+                             f"{100 * dt / (dt + dc):.0f}% |")
+            if "none" in split and "lora" in split:  # full's lead over plain LoRA, token-weighted, by kind
+                gap = {k: split["none"]["tokens"][k] * (split["lora"]["by_kind"][k][1] - split["none"]["by_kind"][k][1])
+                       for k in ("template", "content")}
+                lines += ["", f"Of full fine-tuning's lead over plain LoRA, {100 * gap['template'] / sum(gap.values()):.0f}% "
+                          "is on the template's tokens (whose embedding rows, tied to the lm_head, LoRA on the linears "
+                          "leaves as pre-training made them) and the rest on the contents."]
         lines += ["", "Every run of the sweep (selection-split loss chose the lr; held-out shown for all, used for none; "
                   "seconds on a loaded 2-core host, 1-min load average beside each):", "",
                   "| kind | lr | select: start / end | held-out: start / end | held-out improvement | selected | "
@@ -481,7 +552,7 @@ def main(argv=None) -> int:
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results["host"], results["date"] = host(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for part in set(parts) - {"report"}:  # rows of one table can come from different hosts: each part says where it ran
-        results.setdefault("hosts", {})[part] = f"{results['host']}, {results['date']}, load {os.getloadavg()[0]:.1f}"
+        results.setdefault("hosts", {})[part] = ran_here()
     work = Path(args.work or tempfile.mkdtemp(prefix="hfscale-adapters-"))
     if "nf4" in parts:
         nf4(work, results)

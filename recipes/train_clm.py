@@ -174,12 +174,15 @@ def build_base(cfg, spec, pre, accelerator):
     return model
 
 
+def zero_stage_of(pre) -> int | None:
+    ds = pre.launch.deepspeed
+    return (ds or {}).get("zero_optimization", {}).get("stage", 0) if ds is not None else None
+
+
 def qlora_dtypes_of(pre):
     from hfscale.scale.adapters import qlora_dtypes
 
-    ds = pre.launch.deepspeed
-    zero = (ds or {}).get("zero_optimization", {}).get("stage", 0) if ds is not None else None
-    return qlora_dtypes(pre.precision.precision, zero, pre.launch.fsdp)
+    return qlora_dtypes(pre.precision.precision, zero_stage_of(pre), pre.launch.fsdp)
 
 
 def check_adapter(cfg, pre) -> None:
@@ -193,6 +196,10 @@ def check_adapter(cfg, pre) -> None:
                           "your own loop")
     if spec.base_bits == 4:
         qlora_dtypes_of(pre)
+    if spec.trainable_tokens:  # peft's trainable_token_indices failed under ZeRO-3 and FSDP2 here (TOKENS_REFUSED)
+        from hfscale.scale.adapters import check_engine
+
+        check_engine(spec, zero_stage_of(pre), pre.launch.fsdp)
 
 
 if __name__ == "__main__":  # every rank ends through exit_rank: no interpreter finalization to race gloo's threads

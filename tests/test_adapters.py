@@ -109,6 +109,58 @@ def test_trainable_tokens_keep_tied_embeddings_tied():
     assert changed == [5, 7]
 
 
+def test_template_tokens_resolve_from_the_chat_template():
+    """`trainable_tokens: template` names the ids the chat template writes (hfscale.data.formats.template_token_ids):
+    on the built-in tokenizer its <start_of_turn> / <end_of_turn> / role names are ordinary pieces, each found."""
+    from hfscale.data.formats import data_tokenizer, template_mask, template_token_ids
+
+    tok = data_tokenizer("tiny-gemma3")
+    ids = template_token_ids(tok)
+    pieces = set(tok.convert_ids_to_tokens(list(ids)))
+    assert {"<bos>", "<", "start", "_", "of", "turn", ">", "end", "user", "mode", "l", "system"} <= pieces
+    got, mask = template_mask(tok, [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}])
+    assert [t for t, m in zip(tok.convert_ids_to_tokens(got), mask) if not m] == ["he", "ll", "o", "▁there", "h", "i"]
+    spec = AdapterSpec.from_mapping({"kind": "lora", "trainable_tokens": "template, 7"})
+    assert spec.names_template and spec.trainable_tokens == ("template", 7)
+    assert spec.with_tokens(ids).trainable_tokens == tuple(sorted({7, *ids}))
+    with pytest.raises(ConfigError, match="resolve it first"):
+        apply_adapter(tiny(), spec)
+    with pytest.raises(ConfigError, match="is not a token id; give ids"):
+        AdapterSpec("lora", trainable_tokens="templates")
+
+
+def test_template_tokens_train_only_their_rows_and_the_lora_tied_kept():
+    """A few steps of LoRA + the template's rows: only those embedding rows (the tied lm_head with them) and the LoRA
+    tensors move; merged, the lm_head is still the embedding tensor and every other base weight is bit-identical."""
+    from hfscale.data.formats import data_tokenizer, template_token_ids
+    from hfscale.models.loss import lm_loss
+    from hfscale.scale.adapters import merge_live
+
+    ids = template_token_ids(data_tokenizer("tiny-gemma3"))
+    base = tiny()
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    spec = AdapterSpec("lora", rank=2, trainable_tokens="template").with_tokens(ids)
+    pm = apply_adapter(base, spec)
+    opt = torch.optim.AdamW(adapter_param_groups(pm, spec, lr=1e-2))
+    batch = torch.tensor([list(ids) * 4])  # the template's own ids: their rows get gradients
+    for _ in range(3):
+        lm_loss(pm, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    trained = {n for n, p in pm.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n or "trainable_tokens_delta" in n for n in trained)
+    merged = merge_live(pm)
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    for n, p in merged.named_parameters():
+        moved = (p.detach() != before[n]).reshape(p.shape[0], -1).any(1).nonzero().flatten().tolist() if p.dim() else []
+        if n == "model.embed_tokens.weight":
+            assert moved == list(ids)  # exactly the template's rows
+        elif n.rsplit(".", 2)[-2] in DECODER_LINEARS:
+            assert moved  # the LoRA, merged in
+        else:
+            assert not moved, n
+
+
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_merge_equals_live_adapter(kind):
     """The merged model computes what base + adapter computed (fp32: merging adds B @ A x scale into W once;
@@ -331,6 +383,29 @@ def test_expert_lora_refusals_are_one_line():
                 check_engine(AdapterSpec("qlora", rank=2), zero, fsdp)
         else:
             check_engine(AdapterSpec("qlora", rank=2), zero, fsdp)
+
+
+def test_trainable_tokens_refused_where_they_failed():
+    """peft's trainable_token_indices failed under ZeRO-3 (gathers onto CUDA only) and FSDP2 (accelerate re-ties the
+    embedding by a name peft moved) on 2 CPU ranks, and ran under DDP (by hand): refused in one line there, before any
+    process group, by the recipe and by doctor from the files alike."""
+    from hfscale.doctor.adapters import adapter_engine_refused
+    from hfscale.doctor.inputs import Setup
+    from hfscale.scale.adapters import check_engine
+
+    spec = AdapterSpec("lora", rank=2, trainable_tokens="template")
+    for zero, fsdp, needle in [(3, False, "ZeRO-3 failed here: .*CUDA only"), (None, True, "FSDP2 failed here")]:
+        with pytest.raises(ConfigError, match=needle + ".*ddp.yaml or zero2.yaml, or drop trainable_tokens") as e:
+            check_engine(spec, zero, fsdp)
+        assert "\n" not in str(e.value)
+        check_engine(AdapterSpec("lora", rank=2), zero, fsdp)  # plain LoRA runs there
+    for zero in (None, 2):
+        check_engine(spec, zero, False)
+    fsdp2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}
+    found = list(adapter_engine_refused(Setup(accelerate=fsdp2, args={"adapter": {"kind": "lora",
+                                                                                  "trainable_tokens": "template"}})))
+    assert len(found) == 1 and "FSDP2 failed here" in found[0].what
+    assert not list(adapter_engine_refused(Setup(accelerate=fsdp2, args={"adapter": {"kind": "lora"}})))
 
 
 def test_peft_moving_the_targets_on_a_moe_model_is_refused():

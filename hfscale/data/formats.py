@@ -81,6 +81,38 @@ def _template_terminator(tokenizer) -> str:
     return full[full.rfind("PROBE_ANSWER") + len("PROBE_ANSWER"):].strip()
 
 
+def template_mask(tokenizer, messages, chat_template=None) -> tuple[list, list]:
+    """A conversation rendered with the chat template (the tokenizer's, or `chat_template`): its token ids and, per
+    token, whether the template wrote it, i.e. no character of it belongs to a message's content (turn markers, role
+    names, separators, BOS). Contents are found in order in the rendering (the template may trim them)."""
+    full = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template)
+    spans, at = [], 0
+    for m in messages:
+        c = str(m["content"]).strip()
+        s = full.find(c, at) if c else -1
+        if s >= 0:
+            spans.append((s, s + len(c)))
+            at = s + len(c)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    return enc["input_ids"], [not any(a < e and s < b for a, b in spans) for s, e in enc["offset_mapping"]]
+
+
+def template_token_ids(tokenizer, chat_template=None) -> tuple[int, ...]:
+    """The token ids a chat template writes around the contents (template_mask over a probe conversation of a system,
+    a user and an assistant turn; user and assistant only where the template refuses a system turn): the rows a LoRA
+    run trains with `trainable_tokens: template` (hfscale.scale.adapters.AdapterSpec), since a base pre-trained on
+    plain text never learnt them. Sorted, each once."""
+    turns = [{"role": "user", "content": "PROBE QUESTION"}, {"role": "assistant", "content": "PROBE ANSWER"}]
+    for conv in ([{"role": "system", "content": "PROBE SYSTEM"}] + turns, turns):
+        try:
+            ids, mask = template_mask(tokenizer, conv, chat_template)
+        except Exception:  # a template that raises on a system turn: try without it
+            continue
+        return tuple(sorted({i for i, m in zip(ids, mask) if m}))
+    raise HfscaleError("the chat template refused a user / assistant conversation; give the tokenizer a chat template "
+                       "that renders one, or name the trainable tokens by id")
+
+
 @dataclass
 class Encoded:
     ids: list

@@ -44,6 +44,27 @@ NAMES = {"none": "full", "lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA"}
 TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector")
 
 
+TEMPLATE_TOKENS = "template"  # trainable_tokens' name for the ids the chat template writes
+
+
+def _token_list(tokens) -> tuple:
+    """trainable_tokens as given (ids, "template", a comma-separated string of them) -> a tuple of ints and "template";
+    anything else refused in one line."""
+    if isinstance(tokens, (str, int)):
+        tokens = [t.strip() for t in tokens.split(",") if t.strip()] if isinstance(tokens, str) else [tokens]
+    out = []
+    for t in tokens:
+        if t == TEMPLATE_TOKENS:
+            out.append(t)
+            continue
+        try:
+            out.append(int(t))
+        except (TypeError, ValueError):
+            raise ConfigError(f"trainable_tokens: {t!r} is not a token id; give ids (5,7) and / or {TEMPLATE_TOKENS!r} "
+                              "(the tokens the chat template writes)") from None
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     kind: str = "none"  # none | lora | dora | qlora (LoRA on an NF4 base, bitsandbytes)
@@ -57,7 +78,9 @@ class AdapterSpec:
     rslora: bool = False  # scale alpha / sqrt(r) (Kalajdzievski 2023): a rank sweep keeps one learning rate
     lora_plus_ratio: float = 1.0  # LoRA+: B's learning rate = this x A's (paper: 16); 1 = plain LoRA
     init: str = "default"  # default | gaussian | pissa | olora
-    trainable_tokens: tuple = ()  # embedding rows trained (new tokens; peft trainable_token_indices), tied kept tied
+    # embedding rows trained (peft trainable_token_indices), tied kept tied: token ids, and / or "template" for the ids
+    # the chat template writes (a base pre-trained on plain text never learnt them; resolved by with_tokens)
+    trainable_tokens: tuple = ()
     # also LoRA on the MoE experts' 3-D parameters (Qwen3-MoE, Gemma 4 26B-A4B: `experts.gate_up_proj`,
     # `experts.down_proj`) through peft's target_parameters; the router never gets an adapter
     experts: bool = False
@@ -69,7 +92,7 @@ class AdapterSpec:
         if isinstance(self.targets, str) and "," in self.targets:
             targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
         object.__setattr__(self, "targets", targets)
-        object.__setattr__(self, "trainable_tokens", tuple(int(t) for t in self.trainable_tokens))
+        object.__setattr__(self, "trainable_tokens", _token_list(self.trainable_tokens))
         if self.kind == "none":
             return
         if int(self.rank) != self.rank or self.rank < 1:
@@ -98,8 +121,9 @@ class AdapterSpec:
             raise ConfigError(f"adapter experts (peft's target_parameters) cannot run with {what} here (peft's "
                               "ParamWrapper has no DoRA, dropout or SVD init; a QLoRA expert stack has not run); use kind "
                               "lora, dropout 0, init default or gaussian with experts, or drop experts")
-        if any(t < 0 for t in self.trainable_tokens):
-            raise ConfigError(f"trainable_tokens must be token ids >= 0 (got {list(self.trainable_tokens)})")
+        if any(t != TEMPLATE_TOKENS and t < 0 for t in self.trainable_tokens):
+            raise ConfigError(f"trainable_tokens must be token ids >= 0 or {TEMPLATE_TOKENS!r} (got "
+                              f"{list(self.trainable_tokens)})")
 
     # --- what other modules read ---
     @property
@@ -120,12 +144,28 @@ class AdapterSpec:
         """PiSSA / OLoRA move the principal part of each target's weight into the adapter: the base changes."""
         return self.init in ("pissa", "olora")
 
+    @property
+    def names_template(self) -> bool:
+        """Whether trainable_tokens names the chat template's tokens (with_tokens resolves them to ids)."""
+        return TEMPLATE_TOKENS in self.trainable_tokens
+
+    def with_tokens(self, template_ids) -> AdapterSpec:
+        """This spec with "template" in trainable_tokens replaced by `template_ids` (the ids the chat template
+        writes: hfscale.data.formats.template_token_ids(tokenizer)); sorted, each once. Unchanged without it."""
+        import dataclasses
+
+        if not self.names_template:
+            return self
+        ids = {t for t in self.trainable_tokens if t != TEMPLATE_TOKENS} | {int(t) for t in template_ids}
+        return dataclasses.replace(self, trainable_tokens=tuple(sorted(ids)))
+
     def describe(self) -> str:
         if not self.enabled:
             return "full fine-tuning"
         extras = [f"alpha {self.alpha:g}"] + (["rsLoRA"] if self.rslora else []) + (
             [f"LoRA+ x{self.lora_plus_ratio:g}"] if self.lora_plus_ratio != 1 else []) + (
             [f"init {self.init}"] if self.init != "default" else []) + (
+            ["the chat template's tokens trained"] if self.names_template else
             [f"{len(self.trainable_tokens)} trainable tokens"] if self.trainable_tokens else []) + (
             ["experts"] if self.experts else [])
         return f"{NAMES[self.kind]} r{self.rank} ({', '.join(extras)})"
@@ -204,6 +244,9 @@ def lora_config(model, spec: AdapterSpec):
     from peft import LoraConfig
 
     kw = {}
+    if spec.names_template:
+        raise ConfigError(f"trainable_tokens {TEMPLATE_TOKENS!r} is a name: resolve it first, spec.with_tokens("
+                          "hfscale.data.formats.template_token_ids(tokenizer)) (the recipe does)")
     if spec.trainable_tokens:  # tied: the lm_head's rows are the embedding's (else it keeps its own copy)
         kw["trainable_token_indices"] = list(spec.trainable_tokens)
         kw["ensure_weight_tying"] = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
@@ -324,21 +367,36 @@ QLORA_REFUSED = {
               "launch with accelerate_configs/ddp.yaml, zero2.yaml or zero3.yaml, or use --adapter lora under FSDP2"),
 }
 
+# the engines where trainable_tokens (peft's trainable_token_indices) failed here, tiny Gemma 3 on 2 CPU ranks
+# (recipes/train_clm.py --adapter lora --lora-trainable-tokens template, by hand; DDP ran: only those rows and the LoRA
+# moved, the tie kept, the adapter reloads to the merged model): engine -> (what happened, the way out)
+TOKENS_REFUSED = {
+    "zero3": ("trainable_tokens under ZeRO-3 failed here: peft 0.21 gathers the partitioned embedding rows onto CUDA "
+              "only (TrainableTokensLayer._collect_token_weights calls torch.cuda.current_device()); not run on a GPU",
+              "launch with accelerate_configs/ddp.yaml or zero2.yaml, or drop trainable_tokens"),
+    "fsdp2": ("trainable_tokens under FSDP2 failed here: accelerate's fsdp2_prepare_model re-ties the embedding by name "
+              "and peft's token wrapper has moved it (`model.embed_tokens.weight` is neither a parameter, buffer, nor "
+              "extra state)", "launch with accelerate_configs/ddp.yaml or zero2.yaml, or drop trainable_tokens"),
+}
+
+
 def engine_of(zero_stage: int | None, fsdp: bool) -> str:
     """The engine as the adapter rules see it: fsdp2 | zero3 (both shard parameters of one dtype) | other."""
     return "fsdp2" if fsdp else "zero3" if zero_stage == 3 else "other"
 
 
-def engine_refusal(kind: str, zero_stage: int | None, fsdp: bool) -> tuple[str, str] | None:
-    """(what, the way out) where hfscale refuses an adapter of `kind` on this engine (QLORA_REFUSED), else None.
-    LoRA on MoE experts is refused nowhere: peft's target_parameters ran on DDP, ZeRO-2, ZeRO-3 (zero.Init) and FSDP2
-    (tests/scripts/expert_lora_engines.py, by hand)."""
-    return QLORA_REFUSED.get(engine_of(zero_stage, fsdp)) if KINDS.get(kind, (16,))[0] == 4 else None
+def engine_refusal(kind: str, zero_stage: int | None, fsdp: bool, tokens: bool = False) -> tuple[str, str] | None:
+    """(what, the way out) where hfscale refuses an adapter of `kind` (with trainable `tokens`) on this engine
+    (QLORA_REFUSED, TOKENS_REFUSED), else None. LoRA on MoE experts is refused nowhere: peft's target_parameters ran
+    on DDP, ZeRO-2, ZeRO-3 (zero.Init) and FSDP2 (tests/scripts/expert_lora_engines.py, by hand)."""
+    engine = engine_of(zero_stage, fsdp)
+    refused = QLORA_REFUSED.get(engine) if KINDS.get(kind, (16,))[0] == 4 else None
+    return refused or (TOKENS_REFUSED.get(engine) if tokens and kind in KINDS and kind != "none" else None)
 
 
 def check_engine(spec: AdapterSpec, zero_stage: int | None, fsdp: bool) -> None:
     """The launch's refusal of `spec` on this engine, one line naming the way out (ConfigError), or nothing."""
-    refused = engine_refusal(spec.kind, zero_stage, fsdp)
+    refused = engine_refusal(spec.kind, zero_stage, fsdp, bool(spec.trainable_tokens))
     if refused is not None:
         raise ConfigError("; ".join(refused))
 

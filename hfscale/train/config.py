@@ -12,7 +12,7 @@ from ..util.errors import ConfigError, HfscaleError, first_line
 
 
 LORA_DEFAULTS = {"lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0, "lora_targets": None, "lora_rslora": False,
-                 "lora_plus_ratio": 1.0, "lora_init": "default", "lora_experts": False}
+                 "lora_plus_ratio": 1.0, "lora_init": "default", "lora_experts": False, "lora_trainable_tokens": None}
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,9 @@ class TrainConfig:
     lora_plus_ratio: float = 1.0
     lora_init: str = "default"  # default | gaussian | pissa | olora
     lora_experts: bool = False  # also the MoE experts' fused 3-D tensors (peft target_parameters; Qwen3-MoE, Gemma 4 MoE)
+    # embedding rows trained beside the adapter (peft trainable_token_indices, a tied lm_head kept tied): "template"
+    # (the ids the chat template writes, resolved from the run's tokenizer) and / or token ids, comma-separated
+    lora_trainable_tokens: str | None = None
     extra: dict = field(default_factory=dict, compare=False)  # recipe YAML notes (ignored)
 
     def __post_init__(self):
@@ -145,7 +148,7 @@ class TrainConfig:
             return AdapterSpec()
         return AdapterSpec(self.adapter, 16 if self.lora_rank is None else self.lora_rank, self.lora_alpha, self.lora_dropout, targets,
                            rslora=self.lora_rslora, lora_plus_ratio=self.lora_plus_ratio, init=self.lora_init,
-                           experts=self.lora_experts)
+                           experts=self.lora_experts, trainable_tokens=self.lora_trainable_tokens or ())
 
     @property
     def levers(self):
@@ -274,7 +277,7 @@ def data_section(section, path) -> dict:
 # the YAML's adapter: keys -> the flat settings (--lora-rank ... on the command line)
 ADAPTER_KEYS = {"kind": "adapter", "rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
                 "targets": "lora_targets", "rslora": "lora_rslora", "lora_plus_ratio": "lora_plus_ratio", "init": "lora_init",
-                "experts": "lora_experts"}
+                "experts": "lora_experts", "trainable_tokens": "lora_trainable_tokens"}
 
 
 def adapter_section(section: dict, path) -> dict:
@@ -287,8 +290,9 @@ def adapter_section(section: dict, path) -> dict:
         raise ConfigError(f"{path}: adapter: unknown setting {unknown[0]!r}; "
                           + (f"did you mean {near[0]!r}?" if near else f"use {', '.join(ADAPTER_KEYS)}"))
     out = {ADAPTER_KEYS[k]: v for k, v in section.items()}
-    if isinstance(out.get("lora_targets"), (list, tuple)):
-        out["lora_targets"] = ",".join(out["lora_targets"])
+    for key in ("lora_targets", "lora_trainable_tokens"):
+        if isinstance(out.get(key), (list, tuple)):
+            out[key] = ",".join(str(x) for x in out[key])
     return out
 
 

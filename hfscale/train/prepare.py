@@ -63,6 +63,10 @@ def prepare_training(accelerator, cfg, pre, model, adapter=None, parallel=None) 
     from ..scale.ulysses import per_layer_heads
 
     spec = cfg.adapter_spec if adapter is None else adapter
+    if spec.names_template:  # trainable_tokens "template": the ids the run's tokenizer's chat template writes
+        from ..data.formats import template_token_ids
+
+        spec = spec.with_tokens(template_token_ids(pre.data.tokenizer))
     parallel = parallel or Parallel()
     sp = parallel.sp > 1
     if cfg.attention:  # varlen: packed documents attend within themselves, no L x L mask (hfscale.models.varlen)
