@@ -79,6 +79,7 @@ def train(cfg, force, pre, parallel, store) -> int:
     from hfscale.train.metrics import MetricsLog
     from hfscale.train.prepare import prepare_training
     from hfscale.train.state import model_fingerprint, save_final, save_final_adapter
+    from hfscale.scale.adapters import template_tokens_note
     from hfscale.train.adapter_ckpt import base_digest, source_key
     from hfscale.data.sampler import data_parallel
 
@@ -113,6 +114,8 @@ def train(cfg, force, pre, parallel, store) -> int:
               f"{len(train_rows):,} train / {len(val_rows)} eval rows, AdamW {run.adamw}"
               + (f", attention {cfg.attention}" if cfg.attention else "")
               + (", padding-free (one row per micro batch)" if cfg.padding_free else "") + run.facts())
+        if note := template_tokens_note(spec, store.options.get("format"), zero_stage_of(pre), pre.launch.fsdp):
+            print(f"[train_clm] note: {note}")
     # an adapter's checkpoints hold no base: they record which (source, and the live frozen bytes' digest) instead
     base = {**source_key(cfg.model, cfg.seed), "digest": base_digest(accelerator.unwrap_model(model))} if spec.enabled else None
     start = resume_from(accelerator, resume, "train_clm", model, base)

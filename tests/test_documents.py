@@ -197,6 +197,21 @@ def test_a_micro_batch_that_trains_nothing_still_runs_and_adds_zero():
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
+def test_a_trained_count_that_is_not_the_labels_is_refused():
+    """The count trained_positions is handed (for fake tensors, which cannot be read) is checked against real labels:
+    a smaller one would drop trained tokens silently, a larger one pad the gather."""
+    from hfscale.models.loss import trained_positions
+    from hfscale.util.errors import HfscaleError
+
+    labels = torch.tensor([[-100, 1, 2, -100, 3]])  # positions 0, 1, 3 predict a trained token
+    index, targets = trained_positions(labels)
+    assert index.tolist() == [0, 1, 3] and targets.tolist() == [1, 2, 3]
+    assert trained_positions(labels, 3)[0].tolist() == [0, 1, 3]
+    for wrong in (2, 4):
+        with pytest.raises(HfscaleError, match=f"told {wrong} trained tokens where the labels train 3"):
+            trained_positions(labels, wrong)
+
+
 def test_a_mixture_of_experts_keeps_its_router_loss():
     """A mixture of experts asked for its router logits adds its load-balancing loss to the loss it computes: lm_loss
     takes the model's own loss there (hfscale.models.loss.own_loss), equal to it to the bit; the cross-entropy alone

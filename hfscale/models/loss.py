@@ -81,9 +81,18 @@ def trained_positions(labels, count: int | None = None):
     the labels (the planner's trace on fake tensors); otherwise it is read from them (one host sync)."""
     import torch
 
+    from torch._subclasses.fake_tensor import FakeTensor
+
     shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     keep = shifted != IGNORE_INDEX
-    index = torch.nonzero_static(keep, size=int(keep.sum()) if count is None else count).reshape(-1)
+    if count is None or not isinstance(labels, FakeTensor):  # real labels: their own count, and a given one must match
+        n = int(keep.sum())
+        if count is not None and count != n:
+            from ..util.errors import HfscaleError
+
+            raise HfscaleError(f"trained_positions was told {count} trained tokens where the labels train {n}")
+        count = n
+    index = torch.nonzero_static(keep, size=count).reshape(-1)
     return index, shifted.index_select(0, index)
 
 

@@ -394,6 +394,18 @@ def engine_refusal(kind: str, zero_stage: int | None, fsdp: bool, tokens: bool =
     return refused or (TOKENS_REFUSED.get(engine) if tokens and kind in KINDS and kind != "none" else None)
 
 
+def template_tokens_note(spec: AdapterSpec, data_format: str | None, zero_stage: int | None, fsdp: bool) -> str | None:
+    """What to tell an adapter run on chat data ("messages") that trains no token rows where the engine allows them:
+    the chat template's tokens keep the embedding rows pre-training gave them (tied to the lm_head), where most of full
+    fine-tuning's lead over LoRA lies (benchmarks/results/adapters.md, per-token-kind split); else None."""
+    if not spec.enabled or spec.trainable_tokens or data_format != "messages" or \
+            engine_refusal(spec.kind, zero_stage, fsdp, tokens=True) is not None:
+        return None
+    return ("the chat template's tokens keep the embedding rows pre-training gave them under this adapter; "
+            "--lora-trainable-tokens template trains those rows too (benchmarks/results/adapters.md: LoRA 70.3% -> "
+            "91.3% of full fine-tuning's eval-loss improvement on the built-in chat set)")
+
+
 def check_engine(spec: AdapterSpec, zero_stage: int | None, fsdp: bool) -> None:
     """The launch's refusal of `spec` on this engine, one line naming the way out (ConfigError), or nothing."""
     refused = engine_refusal(spec.kind, zero_stage, fsdp, bool(spec.trainable_tokens))
