@@ -47,8 +47,12 @@ def test_f16_matches_transformers_in_llama_cpp(moe, exports):
     with open_llama(exports["F16"]["out"], n_ctx=ES.seq_len) as llm:
         worst = np.concatenate([np.abs(E.eager_logits(model, p) - llama_logits(llm, p)).max(-1)
                                 for p in E.prompt_ids(tok, ES)])
-    assert np.median(worst) < 0.005  # measured 0.0008
-    assert np.mean(worst < 0.02) >= 0.98  # measured 383/384 (max 0.12 where fp16 flipped a top-k near-tie)
+    assert np.median(worst) < 0.005  # measured 0.0007-0.0008
+    # where fp16 flips a near-tie in a router's top-k a position moves more: how many such ties a trained copy has
+    # depends on its last bits, and the fixture's 30 steps are not bit-reproducible across processes (MKL's results
+    # follow memory alignment): three copies trained on this host (AMD EPYC, AVX2 dispatch) had 0, 1 and 9 of 384
+    # positions above 0.02 (max 0.010, 0.035, 0.17). A dropped or misnamed scale moves every position (the median).
+    assert np.mean(worst < 0.02) >= 0.95
 
 
 def test_q4_0_quality_and_tensors(moe, exports):
