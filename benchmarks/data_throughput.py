@@ -157,6 +157,15 @@ def summary(res: dict, host: str, when: str) -> dict:
             "changes": "LM head at the trained positions, glibc thresholds set"}
 
 
+def _ran(x: dict) -> str:
+    """'when, host; load after each round a, b, c' of a diagnostic's record."""
+    return f"{x['when']}, {x['host']}; load after each round {', '.join(map(str, x['loads']))}"
+
+
+def _per_round(ratios) -> str:
+    return ", ".join(f"{x:.2f}" for x in ratios)
+
+
 def d_report(r: dict) -> list[str]:
     d = r.get("d")
     if d is None:
@@ -215,8 +224,7 @@ def d_report(r: dict) -> list[str]:
     diag = r.get("d_allocator")
     if diag:
         lines += [f"Diagnostic, not the measurement, from before the loss ran the LM head at the trained positions only "
-                  f"({diag['when']}, {diag['host']}; load after each round "
-                  f"{', '.join(map(str, diag['loads']))}): the padding-free micro batch at seq_len 1024 holds ~3,700 tokens, "
+                  f"({_ran(diag)}): the padding-free micro batch at seq_len 1024 holds ~3,700 tokens, "
                   "so its fp32 logits and their gradients (~3,700 x 4,096 x 4 B = ~60 MiB each) are above glibc's largest "
                   "mmap threshold (32 MiB): every such tensor is mapped fresh and page-faulted in (measured: log_softmax on "
                   "[3,750, 4,096] took 15,001 minor faults and 2.5 ns per element, 0.8 ns at 31 MiB), while the padded "
@@ -226,12 +234,11 @@ def d_report(r: dict) -> list[str]:
                   "fwd + bwd). The same benchmark with glibc's mmap turned off for both passes "
                   f"(`{diag['env']} python benchmarks/data_throughput.py --seq-lens 1024,512 --rounds {diag['rounds']}`) "
                   "gave padding-free vs padded " + ", ".join(f"{x:.2f}x at {L}" for L, x in diag["flat"].items())
-                  + " (per round at 1024: " + ", ".join(f"{x:.2f}" for x in diag["ratios_1024"]) + "). The recipes did not then "
+                  + " (per round at 1024: " + _per_round(diag["ratios_1024"]) + "). The recipes did not then "
                   "change the allocator; on GPUs the caching allocator reuses its blocks.", ""]
     head = r.get("d_head")
     if head:
-        lines += [f"The fix, measured as a diagnostic ({head['when']}, {head['host']}; load after each round "
-                  f"{', '.join(map(str, head['loads']))}): `hfscale.models.loss.lm_loss` runs the LM head and the "
+        lines += [f"The fix, measured as a diagnostic ({_ran(head)}): `hfscale.models.loss.lm_loss` runs the LM head and the "
                   f"cross-entropy at the trained positions only (both layouts: the same loss), so a padding-free micro batch "
                   f"at 1024 has logits for its ~1,400 trained tokens (~23 MiB fp32), not for its ~3,700 real ones. One "
                   f"process, the seq_len 1024 micro batches of this benchmark, the old loss (the model's own, over every "
@@ -239,7 +246,7 @@ def d_report(r: dict) -> list[str]:
                   + "; ".join(f"{name} loss: padded {v['padded_s']:.2f} s, padding-free {v['flat_s']:.2f} s (thread CPU "
                               f"medians), padding-free minor page faults {v['flat_faults']:,} per pass (padded "
                               f"{v['padded_faults']:,}), padding-free vs padded {v['median']:.2f}x (per round "
-                              + ", ".join(f"{x:.2f}" for x in v["ratios"]) + ")" for name, v in head["losses"].items())
+                              + _per_round(v["ratios"]) + ")" for name, v in head["losses"].items())
                   + ". Both layouts gain from training's share of the logits (38% of the real tokens here), the "
                   "padding-free one more: its logits no longer cross glibc's mmap threshold.", ""]
         a = head.get("allocator")
