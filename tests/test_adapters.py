@@ -129,6 +129,21 @@ def test_template_tokens_resolve_from_the_chat_template():
         AdapterSpec("lora", trainable_tokens="templates")
 
 
+def test_template_tokens_of_a_template_that_refuses_a_system_turn():
+    """A template that raises on a system turn (raise_exception, as Gemma 2's does) gives the ids of a user /
+    assistant probe; one that refuses that too is one line naming the way out."""
+    from hfscale.data.formats import data_tokenizer, template_token_ids
+    from hfscale.util.errors import HfscaleError
+
+    tok = data_tokenizer("tiny-gemma3")
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+                 "[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    ids = template_token_ids(tok, no_system)
+    assert set(tok.convert_ids_to_tokens(list(ids))) >= {"[", "user", "]"} and "system" not in tok.convert_ids_to_tokens(list(ids))
+    with pytest.raises(HfscaleError, match="refused a user / assistant conversation"):
+        template_token_ids(tok, "{{ raise_exception('never') }}")
+
+
 def test_template_tokens_train_only_their_rows_and_the_lora_tied_kept():
     """A few steps of LoRA + the template's rows: only those embedding rows (the tied lm_head with them) and the LoRA
     tensors move; merged, the lm_head is still the embedding tensor and every other base weight is bit-identical."""

@@ -294,6 +294,29 @@ def test_spelling_suggestions_are_bounded_per_mapping():
     assert all("no spelling suggestions past" in f for f in fixes[SUGGEST_LIMIT:])
 
 
+def test_recipe_args_are_training_arguments_read_without_importing_them():
+    """A recipe's rank runs doctor on its own TrainingArguments keys (train.loop.run_doctor); checks.RECIPE_ARGS names
+    them so the check needs not import transformers' training_args (peft, bitsandbytes: seconds of every rank's start).
+    They must be real fields, or a typo among them would pass unseen."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from transformers import TrainingArguments
+
+    from hfscale.doctor.checks import RECIPE_ARGS
+
+    assert RECIPE_ARGS <= {f.name for f in dataclasses.fields(TrainingArguments)}
+    code = ("import sys; from hfscale.doctor import check; "
+            "f = check(args={'per_device_train_batch_size': 2, 'bf16': False, 'gradient_checkpointing': True}); "
+            "print([x.code for x in f], 'transformers.training_args' in sys.modules, 'peft' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.split("]")[1].split() == ["False", "False"], r.stdout
+    # any other key still reads the real fields: a typo is found, a real field passes
+    assert [f.code for f in check_setup(Setup(args={"gradient_checkpointing": True, "learning_rat": 1}))] == ["unknown-key"]
+    assert not [f for f in check_setup(Setup(args={"bf16": True, "learning_rate": 1e-3})) if f.code == "unknown-key"]
+
+
 @pytest.mark.parametrize("text, why", [("", "is empty"), ("# nothing but a comment\n", "is empty"),
                                        ("- 1\n- 2\n", "must hold a mapping"), ("3\n", "must hold a mapping")])
 def test_a_yaml_without_a_mapping_is_not_a_config(text, why, tmp_path, cli):

@@ -102,11 +102,13 @@ def template_token_ids(tokenizer, chat_template=None) -> tuple[int, ...]:
     a user and an assistant turn; user and assistant only where the template refuses a system turn): the rows a LoRA
     run trains with `trainable_tokens: template` (hfscale.scale.adapters.AdapterSpec), since a base pre-trained on
     plain text never learnt them. Sorted, each once."""
+    from jinja2 import TemplateError
+
     turns = [{"role": "user", "content": "PROBE QUESTION"}, {"role": "assistant", "content": "PROBE ANSWER"}]
     for conv in ([{"role": "system", "content": "PROBE SYSTEM"}] + turns, turns):
         try:
             ids, mask = template_mask(tokenizer, conv, chat_template)
-        except Exception:  # a template that raises on a system turn: try without it
+        except TemplateError:  # a template that raises on a system turn (raise_exception): try without it
             continue
         return tuple(sorted({i for i, m in zip(ids, mask) if m}))
     raise HfscaleError("the chat template refused a user / assistant conversation; give the tokenizer a chat template "

@@ -410,6 +410,11 @@ RECIPE_KEYS = {"model", "model_name_or_path", "data", "dataset", "validation", "
                "checkpointing", "resume", "keep_last", "eval_every", "save_every", "attn_implementation", "sp_window_sdpa",
                "torch_dtype", "dtype",  # the dtype the model is loaded in (from_pretrained)
                "padding_free", "attention"}  # TRL SFTConfig's / a recipe's padding-free batches and attention kernel
+# The TrainingArguments fields a recipe passes doctor (train.loop.run_doctor): known without importing transformers'
+# training_args, which imports peft and bitsandbytes (~3.7 s of each rank's start; tests/test_doctor.py checks they are
+# TrainingArguments fields)
+RECIPE_ARGS = frozenset({"per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16",
+                         "gradient_checkpointing", "gradient_checkpointing_kwargs"})
 
 
 # spelling suggestions cost ~0.3 ms per key (difflib against every known key): given for this many
@@ -468,7 +473,7 @@ def unknown_keys(s: Setup) -> Iterator[Finding]:
         yield from _unknown(acc, {f.name for f in dataclasses.fields(ClusterConfig)}, lambda k: _acc(s, k), "accelerate")
         if isinstance(acc.get("deepspeed_config"), dict):
             yield from _unknown(acc["deepspeed_config"], ACC_DS_KEYS, lambda k: _acc(s, f"deepspeed_config.{k}"), "accelerate")
-    if isinstance(s.args, dict):
+    if isinstance(s.args, dict) and set(s.args) - RECIPE_KEYS - RECIPE_ARGS:
         from transformers import TrainingArguments
 
         known = {f.name for f in dataclasses.fields(TrainingArguments)} | RECIPE_KEYS
