@@ -356,23 +356,53 @@ def launch(config: str, out: Path, *args, env=None, check=True, fault=None, proc
     import signal
     import time
 
+    started = start_launch(config, out, *args, env=env, fault=fault, procs=procs, log_dir=log_dir)
+    if signal_after is not None:
+        p = started[0]
+        while p.poll() is None and max(read_records(out / "metrics.jsonl"), default=0) < signal_after:
+            time.sleep(0.2)
+        p.send_signal(signal.SIGUSR1)
+    return finish_launch(started, check)
+
+
+_PORTS: set = set()
+
+
+def fresh_port() -> int:
+    """A free port no launch of this session was given: two launches started side by side never share one."""
     from hfscale.proofs.engine import free_port
 
+    while (port := free_port()) in _PORTS:
+        pass
+    _PORTS.add(port)
+    return port
+
+
+def start_launch(config: str, out: Path, *args, env=None, fault=None, procs=2, log_dir=None):
+    """launch()'s process, started (finish_launch waits for it): two launches that read nothing the other writes run
+    side by side, as a 1-rank and a 2-rank resume of copies of one checkpoint do (their imports overlap on 2 cores)."""
     script = [str(ROOT / "tests" / "scripts" / "faulty_recipe.py"), fault, str(RECIPE)] if fault else [str(RECIPE)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           "--num_processes", str(procs), "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port()),
+           "--num_processes", str(procs), "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(fresh_port()),
            *script, "--config", str(TINY_YAML), "--output-dir", str(out), *FAST, *map(str, args)]
     log = (log_dir or out.parent) / f"{out.name}.log"
     start = log.stat().st_size if log.exists() else 0
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", **(env or {})}
     with open(log, "a") as f:  # a file, not a pipe: a full pipe can stall a multi-process launch
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        if signal_after is not None:
-            while p.poll() is None and max(read_records(out / "metrics.jsonl"), default=0) < signal_after:
-                time.sleep(0.2)
-            p.send_signal(signal.SIGUSR1)
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    return p, log, start
+
+
+def finish_launch(started, check=True):
+    """(status, the launch's log) of a start_launch; check: status 0 asserted. A failed wait kills the launch's tree."""
+    from conftest import kill_tree
+
+    p, log, start = started
+    try:
         rc = p.wait(timeout=900)
+    finally:
+        kill_tree(p)
     text = log.read_text()[start:]
     if check:
         assert rc == 0, text[-3000:]
@@ -520,15 +550,6 @@ def test_zero2_trains_saves_and_reloads(uninterrupted_run):
     assert_trained_saved_reloads(out, log, "DEEPSPEED", steps=8, keep=4, every=2, data={"data": data[1], "overflow": "split"})
 
 
-def assert_same_trajectory(resumed: dict, reference: dict):
-    assert sorted(resumed) == sorted(reference) == list(range(1, 9))
-    print("max |loss delta| resumed vs uninterrupted:", max(abs(resumed[s]["loss"] - reference[s]["loss"]) for s in resumed))
-    for s in range(1, 9):
-        # same data (a function of the step), restored fp32 master weights, Adam moments and RNG:
-        # measured bit-identical (|delta| = 0.0); 1e-6 leaves room for kernel-order noise only
-        assert abs(resumed[s]["loss"] - reference[s]["loss"]) < 1e-6, (s, resumed[s]["loss"], reference[s]["loss"])
-
-
 @pytest.mark.engine
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     """LoRA under ZeRO-2 (2 ranks): the save a stop request starts (SIGUSR1 to rank 0 after step 2: every rank stops
@@ -561,45 +582,48 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
 
 @pytest.mark.engine
 def test_fsdp2_trains_survives_kill_9_and_resumes_on_2_and_on_1_rank(tmp_path):
-    """FSDP2 (accelerate_configs/fsdp2.yaml: SHARDED_STATE_DICT, every:2 from the recipe) in four launches: the
-    uninterrupted run (torch.distributed.checkpoint shards from both ranks, a consolidated save that reloads to the
-    live eval loss), a run whose rank 1 is SIGKILLed after step 5, its `--resume latest` on 2 ranks (bit-identical
-    to the uninterrupted run) and the same step-4 checkpoint resumed on 1 rank (DCP reshards 2 -> 1)."""
+    """FSDP2 (accelerate_configs/fsdp2.yaml: SHARDED_STATE_DICT, every:2 from the recipe) in three launches: a run whose
+    rank 1 is SIGKILLed after step 8 (both ranks' step 8 logged, its checkpoint never written: steps 1-8 are the
+    uninterrupted trajectory, torch.distributed.checkpoint shards of both ranks at steps 4 and 6), then, side by side,
+    its `--resume latest` on 2 ranks (bit-identical to the killed run's steps 7 and 8; a consolidated save that reloads
+    to the live eval loss) and the same step-6 checkpoint resumed on 1 rank (DCP reshards 2 -> 1)."""
     import shutil
 
     args = ["--max-steps", "8", "--save-every", "2", "--keep-last", "2"]
-    ref_out = tmp_path / "ref"
-    _, log = launch("fsdp2.yaml", ref_out, *args)
+    out = tmp_path / "run"
+    rc, log = launch("fsdp2.yaml", out, *args, fault="kill@step:8:1", check=False)
+    assert rc != 0
     assert "DistributedType.FSDP world 2: 2 micro × 2 accum × 2 ranks × 64 = 512 tokens/step" in log
     assert "checkpointed layers [0, 2]" in log
-    reference = read_records(ref_out / "metrics.jsonl")
-    assert reference[8]["loss"] < reference[1]["loss"] - 0.3
-    ckpt = ref_out / "checkpoints" / "step_00000008"
+    reference = read_records(out / "metrics.jsonl")
+    assert sorted(reference) == list(range(1, 9)) and reference[8]["loss"] < reference[1]["loss"] - 0.3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(STAGE_PREFIX)) == \
+        ["step_00000004", "step_00000006"]
+    step6 = out / "checkpoints" / "step_00000006"
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):  # DCP: one shard file per rank
-        assert sorted(f.name for f in (ckpt / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    from hfscale.train.state import saved_numel
-
-    assert saved_numel(ref_out / "model")[0] == 3_001_920  # gathered from both ranks' shards
-    final = read_records(ref_out / "metrics.jsonl", "eval")[8]
-    # live (bf16 compute under FSDP2's MixedPrecisionPolicy, sharded) vs reloaded fp32: measured 4.8e-5
-    assert abs(eval_loss_of_saved(ref_out / "model") - final["loss"]) < 1e-3
-
-    out = tmp_path / "run"
-    rc, _ = launch("fsdp2.yaml", out, *args, fault="kill@step:5:1", check=False)
-    assert rc != 0
-    step4 = out / "checkpoints" / "step_00000004"
-    assert step4.is_dir() and not (out / "checkpoints" / "step_00000006").exists()
+        assert sorted(f.name for f in (step6 / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     one = tmp_path / "one"
     (one / "checkpoints").mkdir(parents=True)
-    shutil.copytree(step4, one / "checkpoints" / step4.name)
-    _, log = launch("fsdp2.yaml", out, *args, "--resume", "latest")
-    assert "at step 4" in log
-    assert_same_trajectory(read_records(out / "metrics.jsonl"), reference)  # restored Adam step and moments: bit-identical
+    shutil.copytree(step6, one / "checkpoints" / step6.name)
 
-    _, log = launch("fsdp2.yaml", one, *args, "--resume", "latest", procs=1)
-    assert "DistributedType.FSDP world 1: 2 micro × 4 accum × 1 ranks" in log and "at step 4" in log
+    two_ranks = start_launch("fsdp2.yaml", out, *args, "--resume", "latest")
+    one_rank = start_launch("fsdp2.yaml", one, *args, "--resume", "latest", procs=1)
+    _, log = finish_launch(two_ranks)
+    assert "at step 6" in log
+    resumed = read_records(out / "metrics.jsonl")
+    # restored Adam step and moments: measured bit-identical (|delta| = 0.0); 1e-6 leaves room for kernel-order noise only
+    assert max(abs(resumed[s]["loss"] - reference[s]["loss"]) for s in (7, 8)) < 1e-6
+    from hfscale.train.state import saved_numel
+
+    assert saved_numel(out / "model")[0] == 3_001_920  # gathered from both ranks' shards
+    final = read_records(out / "metrics.jsonl", "eval")[8]
+    # live (bf16 compute under FSDP2's MixedPrecisionPolicy, sharded) vs reloaded fp32: measured 4.8e-5
+    assert abs(eval_loss_of_saved(out / "model") - final["loss"]) < 1e-3
+
+    _, log = finish_launch(one_rank)
+    assert "DistributedType.FSDP world 1: 2 micro × 4 accum × 1 ranks" in log and "at step 6" in log
     resumed = read_records(one / "metrics.jsonl")
-    assert sorted(resumed) == [5, 6, 7, 8]
+    assert sorted(resumed) == [7, 8]
     # the same sequences per step, summed in another order: measured max |delta| 1.1e-4 (steps 6-8; step 5 equal)
     assert max(abs(resumed[s]["loss"] - reference[s]["loss"]) for s in resumed) < 2e-3
 
@@ -973,6 +997,27 @@ def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
     assert all(torch.equal(merged[k], source[k]) for k in merged if k not in linears)  # and nothing else moved
 
 
+def kill_9_then_resume(config: str, kind: str, tmp_path: Path, first_line: str, procs: int = 2, tol: float = 1e-6):
+    """An adapter run of the recipe (2 ranks) whose rank 1 is SIGKILLed after step 4 (both ranks' step 4 logged, its
+    checkpoint never written: only step 2 is complete, and no adapter or model was saved), then `--resume latest` on
+    `procs` ranks: steps 3 and 4 are redone on the killed run's trajectory (within `tol`) from the same rows, none
+    read twice or skipped. Returns (OUTPUT_DIR, the resumed launch's log)."""
+    out, killed_rows, resumed_rows = tmp_path / "run", tmp_path / "killed", tmp_path / "resumed"
+    killed_rows.mkdir()
+    resumed_rows.mkdir()
+    rc, log = launch(config, out, "--adapter", kind, *ADAPTER, fault=f"kill@step:4:1,record@{killed_rows}", check=False)
+    assert rc != 0 and first_line in log, log[-3000:]
+    killed = read_records(out / "metrics.jsonl")
+    assert sorted(killed) == [1, 2, 3, 4]
+    assert [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(STAGE_PREFIX)] == ["step_00000002"]
+    assert not (out / "adapter").exists() and not (out / "model").exists()
+    _, log = launch(config, out, "--adapter", kind, *ADAPTER, "--resume", "latest", procs=procs, fault=f"record@{resumed_rows}")
+    assert_follows(read_records(out / "metrics.jsonl"), killed, (3, 4), tol=tol)
+    mine, theirs = read_indices(resumed_rows), read_indices(killed_rows)
+    assert sorted(mine) == [3, 4] and all(mine[s] == theirs[s] for s in mine)  # the same rows, none twice or skipped
+    return out, log
+
+
 @pytest.mark.engine
 def test_ddp_qlora_trains_the_adapter_alone_and_merges_into_the_unquantized_base(tmp_path):
     """QLoRA under DDP (2 ranks): NF4 base (bitsandbytes on this CPU, uint8 storage), adapters trained, the base bit
@@ -999,20 +1044,23 @@ def test_ddp_qlora_trains_the_adapter_alone_and_merges_into_the_unquantized_base
 
 
 @pytest.mark.engine
-def test_zero3_qlora_trains_on_the_nf4_base_bit_for_bit_and_saves_none_of_it(tmp_path):
+def test_zero3_qlora_survives_kill_9_on_the_nf4_base_bit_for_bit_and_saves_none_of_it(tmp_path):
     """QLoRA under ZeRO-3 (2 ranks): the NF4 base packed in the run's dtype (bf16, or fp32 where precision auto is
-    fp32: hfscale.scale.adapters.nf4_storage) and partitioned by DeepSpeed; the checkpoints hold the adapter alone
-    (no frozen fragments, no quantization state), and the live base's digest in both equals that of a base quantized
-    here with the run's dtypes (packed weights and quantization state, bit for bit); the adapter gathered whole, reloaded on that base to the live eval, merged into the
-    fp32 base. QLoRA was refused here while the check compared the NF4 weights with torch.equal (their bf16 bit
-    patterns include NaNs: unequal even to a copy) and with a base quantized from fp32 into uint8 storage (other NF4
-    codes): all 28 weights 'moved'. Its step-2 checkpoint resumed on 1 rank (universal) followed the
-    uninterrupted losses by hand (docs/adapters.md); in the suite the ZeRO-3 DoRA test below resumes adapters 2 -> 1."""
+    fp32: hfscale.scale.adapters.nf4_storage) and partitioned by DeepSpeed; rank 1 SIGKILLed after step 4 (its
+    checkpoint never written), then `--resume latest` on 1 rank from step 2 (the base re-quantized from the source,
+    checked by digest, the adapter's partitions and their Adam state loaded over it through DeepSpeed's universal
+    checkpoint) redoes steps 3 and 4 on the killed run's trajectory and rows. The checkpoints hold the adapter alone (no frozen fragments, no quantization state), and the
+    live base's digest in both equals that of a base quantized here with the run's dtypes (packed weights and
+    quantization state, bit for bit); the adapter gathered whole from both ranks, reloaded on that base to the live
+    eval, merged into the fp32 base (gathered from 2 ranks: the LoRA and DoRA launches below). QLoRA was refused here while the check compared the NF4 weights with torch.equal
+    (their bf16 bit patterns include NaNs: unequal even to a copy) and with a base quantized from fp32 into uint8
+    storage (other NF4 codes): all 28 weights 'moved'."""
     import torch
 
-    out = tmp_path / "run"
-    _, log = launch("zero3.yaml", out, "--adapter", "qlora", *ADAPTER)
-    assert "QLoRA r8 (alpha 16): 135,168 trained" in log and "DistributedType.DEEPSPEED world 2" in log
+    # 1 rank: DeepSpeed's universal checkpoint of the adapter's partitions (the ZeRO-3 reshape tolerance)
+    out, log = kill_9_then_resume("zero3.yaml", "qlora", tmp_path, "QLoRA r8 (alpha 16): 135,168 trained", procs=1,
+                                  tol=RESHAPE_TOL)
+    assert "resuming step 2 saved by 2 ranks on 1 rank: universal checkpoint" in log
     nf4 = qlora_dtypes(_launch_precision(), 3, False)
     assert nf4[1] == nf4[0] == {"bf16": torch.bfloat16, "fp32": torch.float32}[_launch_precision()]
     # the base re-quantized here with the run's dtypes, whose digest (names, dtypes, shapes, packed bytes, quantization
@@ -1078,8 +1126,7 @@ def test_zero3_dora_trains_saves_and_resumes_on_1_rank(tmp_path):
     gathered before they are saved: not the 40-byte file of trl #4416), then its step-2 checkpoint resumed on 1 rank
     (DeepSpeed's universal checkpoint, frozen parameters included) follows the uninterrupted run and ends with the
     same adapter. This resume crashed in peft's DoRA forward before hfscale.scale.adapters.gather_dora_inputs_
-    (IndexError on lora_A's 0-element partition in the recompute of a checkpointed layer). LoRA alone runs under
-    FSDP2 below (and under the DoRA here: lora_A / lora_B are the same tensors, gathered the same way)."""
+    (IndexError on lora_A's 0-element partition in the recompute of a checkpointed layer)."""
     ref = tmp_path / "ref"
     _, log = launch("zero3.yaml", ref, "--adapter", "dora", *ADAPTER)
     assert "DoRA r8 (alpha 16): 144,384 trained" in log and "DistributedType.DEEPSPEED world 2" in log
@@ -1112,36 +1159,40 @@ def test_ddp_dora_survives_kill_9_and_resumes_on_1_rank_on_the_uninterrupted_tra
     written), then `--resume latest` on 1 rank from step 2 (DDP 2 -> 1: the state is whole on every rank, loaded as it
     is; accumulation re-derived) redoes steps 3 and 4 on the killed run's trajectory and rows (restored adapter
     weights, Adam moments of the adapter alone, RNG, data position), and the resumed run passes every adapter check.
-    Resumed on 2 ranks (before the ZeRO-3 QLoRA launch took this file's DDP 2 -> 1 launch) it redid them bit for bit
-    (|delta| = 0.0); same-rank resumes after a kill: ZeRO-2 (kill during a save, above, 1e-6), FSDP2 (kill after a
-    step, above)."""
-    out, killed_rows, resumed_rows = tmp_path / "run", tmp_path / "killed", tmp_path / "resumed"
-    killed_rows.mkdir()
-    resumed_rows.mkdir()
-    rc, log = launch("ddp.yaml", out, "--adapter", "dora", *ADAPTER, fault=f"kill@step:4:1,record@{killed_rows}", check=False)
-    assert rc != 0
-    assert "DoRA r8 (alpha 16): 144,384 trained" in log and "DistributedType.MULTI_CPU world 2" in log
-    killed = read_records(out / "metrics.jsonl")
-    assert sorted(killed) == [1, 2, 3, 4]
-    assert [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(STAGE_PREFIX)] == ["step_00000002"]
-    assert not (out / "adapter").exists() and not (out / "model").exists()
-    _, log = launch("ddp.yaml", out, "--adapter", "dora", *ADAPTER, "--resume", "latest", procs=1,
-                    fault=f"record@{resumed_rows}")
-    assert "at step 2 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
-    assert "2 micro × 4 accum × 1 ranks × 64 = 512 tokens/step" in log
+    Resumed on 2 ranks it redid them bit for bit (|delta| = 0.0); same-rank resumes after a kill: ZeRO-2 LoRA (kill
+    during a save, above, 1e-6), ZeRO-3 QLoRA (above), FSDP2 LoRA (below)."""
     # 1 rank sums the same micro batches in another order: measured |delta| = 0.0 (steps 3, 4); 1e-4, 50x tighter than
     # RESHAPE_TOL (the bf16 ZeRO reshapes), leaves room for that order only
-    assert_follows(read_records(out / "metrics.jsonl"), killed, (3, 4), tol=1e-4)
-    mine, theirs = read_indices(resumed_rows), read_indices(killed_rows)
-    assert sorted(mine) == [3, 4] and all(mine[s] == theirs[s] for s in mine)  # the same rows, none twice or skipped
+    out, log = kill_9_then_resume("ddp.yaml", "dora", tmp_path, "DoRA r8 (alpha 16): 144,384 trained", procs=1, tol=1e-4)
+    assert "at step 2 (saved by 2 ranks, now 1: DDP state is whole on every rank)" in log
+    assert "2 micro × 4 accum × 1 ranks × 64 = 512 tokens/step" in log
     assert_adapter_run(out, log, "dora")
     print("DDP DoRA checkpoint bytes:", assert_adapter_only_states(out / "checkpoints" / "step_00000004", 144_384, 84))
 
 
 @pytest.mark.engine
-def test_fsdp2_lora_trains_the_adapter_alone_and_saves_it_whole(tmp_path):
-    """LoRA under FSDP2 (2 ranks, DTensor shards; the adapter gathered from them before it is saved)."""
+def test_fsdp2_lora_survives_kill_9_resumes_and_saves_the_adapter_whole(tmp_path):
+    """LoRA under FSDP2 (2 ranks, DTensor shards): rank 1 SIGKILLed after step 4 (its checkpoint never written), then
+    `--resume latest` on 2 ranks from the adapter-only step-2 checkpoint (torch.distributed.checkpoint shards of the
+    adapter and its Adam state; the base rebuilt from the source and checked by digest) redoes steps 3 and 4 on the
+    killed run's trajectory and rows; the adapter is gathered from the shards before it is saved (every adapter
+    check)."""
+    # the same world: the same shards, the same sums; measured |delta| = 0.0 (steps 3, 4)
+    out, log = kill_9_then_resume("fsdp2.yaml", "lora", tmp_path, "LoRA r8 (alpha 16): 135,168 trained")
+    assert "DistributedType.FSDP world 2" in log and "at step 2" in log
+    assert_adapter_run(out, log, "lora")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("config, distributed, checkpointing, layers", [
+    ("ddp.yaml", "MULTI_CPU", "full", "checkpointed layers [0, 1, 2, 3]"),
+    ("zero3.yaml", "DEEPSPEED", "off", None)])
+def test_lora_trains_the_adapter_alone(config, distributed, checkpointing, layers, tmp_path):
+    """Plain LoRA on the base in the run's own dtype under DDP (every layer checkpointed: non-reentrant, no input
+    gradients needed on the frozen base) and ZeRO-3 (zero.Init partitions the base; no checkpointing; the adapter
+    gathered from both ranks before it is saved: not trl #4416's 40-byte file): every adapter check."""
     out = tmp_path / "run"
-    _, log = launch("fsdp2.yaml", out, "--adapter", "lora", *ADAPTER)
-    assert "LoRA r8 (alpha 16): 135,168 trained" in log and "DistributedType.FSDP world 2" in log
+    _, log = launch(config, out, "--adapter", "lora", *ADAPTER, "--checkpointing", checkpointing)
+    assert "LoRA r8 (alpha 16): 135,168 trained" in log and f"DistributedType.{distributed} world 2" in log
+    assert (layers in log) if layers else "checkpointed layers" not in log
     assert_adapter_run(out, log, "lora")
