@@ -2,7 +2,6 @@
 same MemTracker, per architecture; depth scaling against a direct trace; the plan --trace contract."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -29,11 +28,27 @@ ROWS = [
 ]
 
 
-@pytest.mark.parametrize("row, exact", ROWS, ids=[r["arch"] + ("-packed" if r.get("packing") else "-trained" if "trained" in r else "")
-                                               for r, _ in ROWS])
-def test_fake_trace_equals_real_steps(row, exact):
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "trace_row.py"), json.dumps(row)],
-                         capture_output=True, text=True, timeout=600)
+IDS = [r["arch"] + ("-packed" if r.get("packing") else "-trained" if "trained" in r else "") for r, _ in ROWS]
+
+
+@pytest.fixture(scope="module")
+def row_runs(request):
+    """tests/scripts/trace_row.py of every row this session selected, each in a fresh process (a real step's
+    count depends on what the process ran before), two at a time (conftest.run_concurrently); id -> CompletedProcess."""
+    from conftest import run_concurrently
+
+    wanted = [i for i in IDS if any(getattr(item, "callspec", None) and item.callspec.id == i
+                                    and item.originalname == "test_fake_trace_equals_real_steps"
+                                    for item in request.session.items)]
+    rows = {i: r for i, (r, _) in zip(IDS, ROWS)}
+    runs = run_concurrently([([sys.executable, ROOT / "tests" / "scripts" / "trace_row.py", json.dumps(rows[i])], None)
+                             for i in wanted])
+    return dict(zip(wanted, runs))
+
+
+@pytest.mark.parametrize("row, exact", ROWS, ids=IDS)
+def test_fake_trace_equals_real_steps(row, exact, row_runs, request):
+    out = row_runs[request.node.callspec.id]
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads(out.stdout.strip().splitlines()[-1])
     for real, fake in ((d["real"][0], d["fake"]["step1"]), (d["real"][1], d["fake"]["steady"])):

@@ -332,7 +332,7 @@ def free_port() -> int:
 
 def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str] | None = None,
            num_machines: int = 1, timeout: float = 900, log: str | Path | None = None,
-           precision: str = "launch", module: str = "hfscale.proofs.engine") -> list[dict]:
+           precision: str = "launch", module: str = "hfscale.proofs.engine", port: int | None = None) -> list[dict]:
     """Run the proof (or another rank worker `module` taking --out and --precision and writing
     rank{R}.json there, e.g. hfscale.proofs.profile) under `accelerate launch --config_file config` and return
     the rank reports.
@@ -342,6 +342,8 @@ def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str
 
     num_machines > 1 starts one launcher per machine rank on this host (127.0.0.1), the way a
     multi-node job runs, with num_processes counted over all machines.
+
+    port: the main process's port (default: a free one now); launches run side by side need distinct ones.
     """
     import subprocess
 
@@ -355,7 +357,7 @@ def launch(config: str, out: str | Path, num_processes: int = 2, extra: list[str
         old.unlink()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // num_processes)))
-    port = str(free_port())
+    port = str(port or free_port())
     base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
             "--num_processes", str(num_processes), "--main_process_port", port]
     if ds_file is not None:
