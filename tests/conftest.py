@@ -10,6 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # step traces are cached; tests keep theirs out of the user's ~/.cache
 os.environ.setdefault("HFSCALE_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"hfscale-test-cache-{os.getuid()}"))
+# `make test` runs the in-process tests on two pytest-xdist workers (the Makefile); the second keeps a cache of its own,
+# so no test sees entries another worker is writing at the same moment (the first shares the serial run's)
+if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+    os.environ["HFSCALE_CACHE"] += "-" + os.environ["PYTEST_XDIST_WORKER"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,16 +31,24 @@ def run_cli_concurrently(*calls, cwd=None, timeout=600, env=None, at_once=4):
     time so their imports (2-3 s each) overlap on the suite's 2 cores; returns their CompletedProcess in the order
     given. A call is an argument sequence, or a dict {"args": ..., "cwd": ...} for a run in a directory of its own;
     use it only for runs that read nothing another of them writes."""
+    exe = shutil.which("hfscale", path=str(Path(sys.executable).parent)) or "hfscale"
+    jobs = [(c["args"], c.get("cwd", cwd)) if isinstance(c, dict) else (c, cwd) for c in calls]
+    return run_concurrently([([exe, *args], where) for args, where in jobs], timeout=timeout,
+                            env={"HF_HUB_OFFLINE": "1", **(env or {})}, at_once=at_once)
+
+
+def run_concurrently(jobs, timeout=600, env=None, at_once=2):
+    """Independent commands, (argv, cwd) each, up to `at_once` of them at a time (what one process leaves of the 2
+    cores idle, in its single-threaded imports and Python work, the next one uses); returns their CompletedProcess
+    in the order given. `env` adds to this process's environment."""
     import time
 
-    exe = shutil.which("hfscale", path=str(Path(sys.executable).parent)) or "hfscale"
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    jobs = [(c["args"], c.get("cwd", cwd)) if isinstance(c, dict) else (c, cwd) for c in calls]
+    full_env = {**os.environ, **(env or {})}
     procs, out, deadline = [], [], time.monotonic() + timeout
 
     def start(k):
-        args, where = jobs[k]
-        procs.append(subprocess.Popen([exe, *map(str, args)], cwd=where, stdout=subprocess.PIPE,
+        argv, where = jobs[k]
+        procs.append(subprocess.Popen([str(a) for a in argv], cwd=where, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True))
 
     try:
