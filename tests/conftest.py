@@ -11,7 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # step traces are cached; tests keep theirs out of the user's ~/.cache
 os.environ.setdefault("HFSCALE_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"hfscale-test-cache-{os.getuid()}"))
 # `make test` runs the in-process tests on two pytest-xdist workers (the Makefile); the second keeps a cache of its own,
-# so no test sees entries another worker is writing at the same moment (the first shares the serial run's)
+# so the two never build one entry at the same moment (safe, hfscale.util.atomic, but twice the CPU: a race to a
+# tie) and no test reads a half-filled listing of another worker's; the first shares the serial part's cache
 if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
     os.environ["HFSCALE_CACHE"] += "-" + os.environ["PYTEST_XDIST_WORKER"]
 
@@ -63,6 +64,19 @@ def run_concurrently(jobs, timeout=600, env=None, at_once=2):
         for p in procs:
             kill_tree(p)
     return out
+
+
+_PORTS: set = set()
+
+
+def fresh_port() -> int:
+    """A free port no launch of this session was given: launches started side by side never share one."""
+    from hfscale.proofs.engine import free_port
+
+    while (port := free_port()) in _PORTS:
+        pass
+    _PORTS.add(port)
+    return port
 
 
 def kill_tree(p) -> None:

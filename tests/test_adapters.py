@@ -142,6 +142,9 @@ def test_template_tokens_of_a_template_that_refuses_a_system_turn():
     assert set(tok.convert_ids_to_tokens(list(ids))) >= {"[", "user", "]"} and "system" not in tok.convert_ids_to_tokens(list(ids))
     with pytest.raises(HfscaleError, match="refused a user / assistant conversation"):
         template_token_ids(tok, "{{ raise_exception('never') }}")
+    # a template whose own code fails (a TypeError, not a refusal) is not retried without the system turn: one line
+    with pytest.raises(HfscaleError, match="the chat template failed on a probe conversation"):
+        template_token_ids(tok, "{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}")
 
 
 def test_template_tokens_train_only_their_rows_and_the_lora_tied_kept():

@@ -94,33 +94,37 @@ def _deepspeed_asserts(reports, ref):
 CPU_CONFIGS = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_nvme"]
 
 
+def _family(name: str) -> str:
+    return "ddp" if name == "ddp" else ("zero3" if name.startswith("zero3") else "zero2")
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(request, tmp_path_factory):
     """The 1-process run a 2-process run is compared with, one per engine family: `ddp`, `zero2` for ZeRO stages 1
     and 2, `zero3` for stage 3 (zero.Init builds the model under partitioning, so its initial weights, and trajectory,
     differ from the others': 0.036 at step 0 in bf16). A 1-process run does not shard, so within a family offload
     changes only where its optimizer steps (DeepSpeedCPUAdam or torch's AdamW, equal up to rounding): the trajectory a
     2-process run must reproduce within LOSS_TOL is the family's. Four 1-process launches fewer than a reference per
-    config; the three are launched side by side when the first is asked for (each is one process, mostly one thread:
-    they overlap on 2 cores), on distinct ports."""
+    config; the families this session's selected tests need are launched side by side when the first is asked for
+    (each is one process, mostly one thread: they overlap on 2 cores), on distinct ports, and all are waited for
+    before the module ends."""
     from concurrent.futures import ThreadPoolExecutor
 
-    runs = {}
+    from conftest import fresh_port
+
+    needed = sorted({_family(item.callspec.params["name"]) for item in request.session.items
+                     if item.originalname == "test_shipped_config_distributes_for_real"})
+    pool, runs = ThreadPoolExecutor(3), {}
 
     def get(name: str):
-        family = "ddp" if name == "ddp" else ("zero3" if name.startswith("zero3") else "zero2")
         if not runs:
-            ports = []
-            while len(ports) < 3:
-                ports += [p for p in [free_port()] if p not in ports]
-            pool = ThreadPoolExecutor(3)
-            for fam, port in zip(("ddp", "zero2", "zero3"), ports):
+            for fam in needed:
                 runs[fam] = pool.submit(launch, str(ROOT / "accelerate_configs" / f"{fam}.yaml"),
-                                        tmp_path_factory.mktemp(f"ref_{fam}"), 1, precision=PRECISION, port=port)
-            pool.shutdown(wait=False)
-        return runs[family].result()
+                                        tmp_path_factory.mktemp(f"ref_{fam}"), 1, precision=PRECISION, port=fresh_port())
+        return runs[_family(name)].result()
 
-    return get
+    yield get
+    pool.shutdown(wait=True)  # a launch nobody asked for finishes (launch's own timeout) before the module's teardown
 
 
 @pytest.mark.parametrize("name", CPU_CONFIGS)

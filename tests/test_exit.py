@@ -16,11 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Measured with the old ending (no hfscale teardown, a normal exit), this probe on the 2-core host with shared cores:
 # a rank died of SIGABRT in 23 of 32 launches (7/8 lightly loaded, 10/16 in benchmarks/results/exit_race.md under
-# load, 6/8 again): p ~ 0.72. The recipes' ending also ends every other recipe launch of the suite (~40, each asserting
-# exit status 0: a rank's SIGABRT fails its launch), so it is launched once here; a Trainer script's ending ends two
-# other launches (test_engine, test_checkpointing), so twice here: an ending that raced like that passes all four
-# with probability (1 - p)^4 ~ 0.6%. Each launch costs 4-10 s here.
-LAUNCHES = {"recipe": 1, "trainer": 2}
+# load, 6/8 again): p ~ 0.72. An ending that raced like that passes 3 launches with probability (1 - p)^3 ~ 2%, both
+# endings together ~ 0.05%; each launch costs 4-10 s here, so 3 per ending.
+LAUNCHES = 3
 
 
 @pytest.mark.engine
@@ -32,8 +30,8 @@ def test_finished_ranks_exit_0_every_time(tmp_path):
         sys.path.insert(0, str(ROOT))
     from benchmarks.exit_race import launch
 
-    for ending, n in LAUNCHES.items():
-        for i in range(n):
+    for i in range(LAUNCHES):
+        for ending in ("recipe", "trainer"):
             out = tmp_path / f"{i}_{ending}"
             statuses, rc, log = launch(ending, out)
             assert statuses == [0, 0] and rc == 0, (ending, i, statuses, log[-3000:])

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import conftest
 from hfscale.util.atomic import STAGE_PREFIX
 from hfscale.util.errors import ConfigError
 from hfscale.scale.adapters import qlora_dtypes, same_bits
@@ -365,25 +366,12 @@ def launch(config: str, out: Path, *args, env=None, check=True, fault=None, proc
     return finish_launch(started, check)
 
 
-_PORTS: set = set()
-
-
-def fresh_port() -> int:
-    """A free port no launch of this session was given: two launches started side by side never share one."""
-    from hfscale.proofs.engine import free_port
-
-    while (port := free_port()) in _PORTS:
-        pass
-    _PORTS.add(port)
-    return port
-
-
 def start_launch(config: str, out: Path, *args, env=None, fault=None, procs=2, log_dir=None):
     """launch()'s process, started (finish_launch waits for it): two launches that read nothing the other writes run
     side by side, as a 1-rank and a 2-rank resume of copies of one checkpoint do (their imports overlap on 2 cores)."""
     script = [str(ROOT / "tests" / "scripts" / "faulty_recipe.py"), fault, str(RECIPE)] if fault else [str(RECIPE)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           "--num_processes", str(procs), "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(fresh_port()),
+           "--num_processes", str(procs), "--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(conftest.fresh_port()),
            *script, "--config", str(TINY_YAML), "--output-dir", str(out), *FAST, *map(str, args)]
     log = (log_dir or out.parent) / f"{out.name}.log"
     start = log.stat().st_size if log.exists() else 0
@@ -606,25 +594,31 @@ def test_fsdp2_trains_survives_kill_9_and_resumes_on_2_and_on_1_rank(tmp_path):
     (one / "checkpoints").mkdir(parents=True)
     shutil.copytree(step6, one / "checkpoints" / step6.name)
 
-    two_ranks = start_launch("fsdp2.yaml", out, *args, "--resume", "latest")
-    one_rank = start_launch("fsdp2.yaml", one, *args, "--resume", "latest", procs=1)
-    _, log = finish_launch(two_ranks)
-    assert "at step 6" in log
-    resumed = read_records(out / "metrics.jsonl")
-    # restored Adam step and moments: measured bit-identical (|delta| = 0.0); 1e-6 leaves room for kernel-order noise only
-    assert max(abs(resumed[s]["loss"] - reference[s]["loss"]) for s in (7, 8)) < 1e-6
+    from conftest import kill_tree
     from hfscale.train.state import saved_numel
 
-    assert saved_numel(out / "model")[0] == 3_001_920  # gathered from both ranks' shards
-    final = read_records(out / "metrics.jsonl", "eval")[8]
-    # live (bf16 compute under FSDP2's MixedPrecisionPolicy, sharded) vs reloaded fp32: measured 4.8e-5
-    assert abs(eval_loss_of_saved(out / "model") - final["loss"]) < 1e-3
+    offset = (out / "metrics.jsonl").stat().st_size
+    two_ranks = start_launch("fsdp2.yaml", out, *args, "--resume", "latest")
+    one_rank = start_launch("fsdp2.yaml", one, *args, "--resume", "latest", procs=1)
+    try:
+        _, log = finish_launch(two_ranks)
+        assert "at step 6" in log
+        resumed = records_since(out / "metrics.jsonl", offset)  # what the resume logged, not the killed run's lines
+        assert sorted(resumed) == [7, 8]
+        # restored Adam step and moments: measured bit-identical (|delta| = 0.0); 1e-6 leaves room for kernel-order noise
+        assert max(abs(resumed[s]["loss"] - reference[s]["loss"]) for s in (7, 8)) < 1e-6
+        assert saved_numel(out / "model")[0] == 3_001_920  # gathered from both ranks' shards
+        final = read_records(out / "metrics.jsonl", "eval")[8]
+        # live (bf16 compute under FSDP2's MixedPrecisionPolicy, sharded) vs reloaded fp32: measured 4.8e-5
+        assert abs(eval_loss_of_saved(out / "model") - final["loss"]) < 1e-3
 
-    _, log = finish_launch(one_rank)
+        _, log = finish_launch(one_rank)
+    finally:
+        kill_tree(one_rank[0])  # a failed check above leaves no launch running
     assert "DistributedType.FSDP world 1: 2 micro × 4 accum × 1 ranks" in log and "at step 6" in log
     resumed = read_records(one / "metrics.jsonl")
     assert sorted(resumed) == [7, 8]
-    # the same sequences per step, summed in another order: measured max |delta| 1.1e-4 (steps 6-8; step 5 equal)
+    # the same sequences per step, summed in another order (measured 1.1e-4 when it resumed from step 4 and redid 5-8)
     assert max(abs(resumed[s]["loss"] - reference[s]["loss"]) for s in resumed) < 2e-3
 
 
@@ -670,6 +664,19 @@ def read_indices(directory: Path) -> dict[int, list]:
     for step, by_world in got.items():
         assert len(by_world) == 1, f"step {step} was read at rank counts {sorted(by_world)}: read twice"
     return {step: sorted(next(iter(w.values()))) for step, w in got.items()}
+
+
+def records_since(path: Path, offset: int, kind: str = "train") -> dict[int, dict]:
+    """read_records of the lines written after byte `offset` of a metrics.jsonl (a resumed run appends to its killed
+    run's file: what only the resume logged)."""
+    out = {}
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in f.read().decode().splitlines():
+            r = json.loads(line)
+            if r.get("kind") == kind:
+                out[int(r["step"])] = r
+    return out
 
 
 def flip_byte(path: Path) -> None:
@@ -1011,8 +1018,11 @@ def kill_9_then_resume(config: str, kind: str, tmp_path: Path, first_line: str, 
     assert sorted(killed) == [1, 2, 3, 4]
     assert [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(STAGE_PREFIX)] == ["step_00000002"]
     assert not (out / "adapter").exists() and not (out / "model").exists()
+    offset = (out / "metrics.jsonl").stat().st_size
     _, log = launch(config, out, "--adapter", kind, *ADAPTER, "--resume", "latest", procs=procs, fault=f"record@{resumed_rows}")
-    assert_follows(read_records(out / "metrics.jsonl"), killed, (3, 4), tol=tol)
+    resumed = records_since(out / "metrics.jsonl", offset)  # what the resume logged, not the killed run's lines
+    assert sorted(resumed) == [3, 4]
+    assert_follows(resumed, killed, (3, 4), tol=tol)
     mine, theirs = read_indices(resumed_rows), read_indices(killed_rows)
     assert sorted(mine) == [3, 4] and all(mine[s] == theirs[s] for s in mine)  # the same rows, none twice or skipped
     return out, log
@@ -1051,8 +1061,8 @@ def test_zero3_qlora_survives_kill_9_on_the_nf4_base_bit_for_bit_and_saves_none_
     checked by digest, the adapter's partitions and their Adam state loaded over it through DeepSpeed's universal
     checkpoint) redoes steps 3 and 4 on the killed run's trajectory and rows. The checkpoints hold the adapter alone (no frozen fragments, no quantization state), and the
     live base's digest in both equals that of a base quantized here with the run's dtypes (packed weights and
-    quantization state, bit for bit); the adapter gathered whole from both ranks, reloaded on that base to the live
-    eval, merged into the fp32 base (gathered from 2 ranks: the LoRA and DoRA launches below). QLoRA was refused here while the check compared the NF4 weights with torch.equal
+    quantization state, bit for bit); the adapter saved whole by the resumed rank, reloaded on that base to the live
+    eval, merged into the fp32 base (an adapter gathered from 2 partitioned ranks: the ZeRO-3 LoRA and DoRA launches). QLoRA was refused here while the check compared the NF4 weights with torch.equal
     (their bf16 bit patterns include NaNs: unequal even to a copy) and with a base quantized from fp32 into uint8
     storage (other NF4 codes): all 28 weights 'moved'."""
     import torch
@@ -1160,7 +1170,7 @@ def test_ddp_dora_survives_kill_9_and_resumes_on_1_rank_on_the_uninterrupted_tra
     is; accumulation re-derived) redoes steps 3 and 4 on the killed run's trajectory and rows (restored adapter
     weights, Adam moments of the adapter alone, RNG, data position), and the resumed run passes every adapter check.
     Resumed on 2 ranks it redid them bit for bit (|delta| = 0.0); same-rank resumes after a kill: ZeRO-2 LoRA (kill
-    during a save, above, 1e-6), ZeRO-3 QLoRA (above), FSDP2 LoRA (below)."""
+    during a save, above, 1e-6) and FSDP2 LoRA (below)."""
     # 1 rank sums the same micro batches in another order: measured |delta| = 0.0 (steps 3, 4); 1e-4, 50x tighter than
     # RESHAPE_TOL (the bf16 ZeRO reshapes), leaves room for that order only
     out, log = kill_9_then_resume("ddp.yaml", "dora", tmp_path, "DoRA r8 (alpha 16): 144,384 trained", procs=1, tol=1e-4)

@@ -42,7 +42,7 @@ def row_runs(request):
                                     for item in request.session.items)]
     rows = {i: r for i, (r, _) in zip(IDS, ROWS)}
     runs = run_concurrently([([sys.executable, ROOT / "tests" / "scripts" / "trace_row.py", json.dumps(rows[i])], None)
-                             for i in wanted])
+                             for i in wanted], timeout=600 * len(wanted))  # 600 s a row, as each had alone
     return dict(zip(wanted, runs))
 
 

@@ -110,6 +110,9 @@ def template_token_ids(tokenizer, chat_template=None) -> tuple[int, ...]:
             ids, mask = template_mask(tokenizer, conv, chat_template)
         except TemplateError:  # a template that raises on a system turn (raise_exception): try without it
             continue
+        except Exception as e:  # noqa: BLE001 - the template's own code failed (not a refusal): one line, as _chat says it
+            raise HfscaleError(f"the chat template failed on a probe conversation ({str(e).splitlines()[0][:160]}); fix "
+                               "the template, or name the trainable tokens by id") from None
         return tuple(sorted({i for i, m in zip(ids, mask) if m}))
     raise HfscaleError("the chat template refused a user / assistant conversation; give the tokenizer a chat template "
                        "that renders one, or name the trainable tokens by id")
