@@ -1004,22 +1004,28 @@ def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
     assert all(torch.equal(merged[k], source[k]) for k in merged if k not in linears)  # and nothing else moved
 
 
-def kill_9_then_resume(config: str, kind: str, tmp_path: Path, first_line: str, procs: int = 2, tol: float = 1e-6):
-    """An adapter run of the recipe (2 ranks) whose rank 1 is SIGKILLed after step 4 (both ranks' step 4 logged, its
-    checkpoint never written: only step 2 is complete, and no adapter or model was saved), then `--resume latest` on
-    `procs` ranks: steps 3 and 4 are redone on the killed run's trajectory (within `tol`) from the same rows, none
-    read twice or skipped. Returns (OUTPUT_DIR, the resumed launch's log)."""
+def kill_9_then_resume(config: str, kind: str, tmp_path: Path, first_line: str, *args, procs: int = 2,
+                       tol: float = 1e-6, killed_log: list | None = None):
+    """An adapter run of the recipe (2 ranks; `args` added to its command line) whose rank 1 is SIGKILLed after step 4
+    (both ranks' step 4 logged, its checkpoint never written: only step 2 is complete, and no adapter or model was
+    saved), then `--resume latest` on `procs` ranks: steps 3 and 4 are redone on the killed run's trajectory (within
+    `tol`) from the same rows, none read twice or skipped. Returns (OUTPUT_DIR, the resumed launch's log); the killed
+    launch's log is appended to `killed_log` when one is given."""
     out, killed_rows, resumed_rows = tmp_path / "run", tmp_path / "killed", tmp_path / "resumed"
     killed_rows.mkdir()
     resumed_rows.mkdir()
-    rc, log = launch(config, out, "--adapter", kind, *ADAPTER, fault=f"kill@step:4:1,record@{killed_rows}", check=False)
+    rc, log = launch(config, out, "--adapter", kind, *ADAPTER, *args, fault=f"kill@step:4:1,record@{killed_rows}",
+                     check=False)
     assert rc != 0 and first_line in log, log[-3000:]
+    if killed_log is not None:
+        killed_log.append(log)
     killed = read_records(out / "metrics.jsonl")
     assert sorted(killed) == [1, 2, 3, 4]
     assert [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(STAGE_PREFIX)] == ["step_00000002"]
     assert not (out / "adapter").exists() and not (out / "model").exists()
     offset = (out / "metrics.jsonl").stat().st_size
-    _, log = launch(config, out, "--adapter", kind, *ADAPTER, "--resume", "latest", procs=procs, fault=f"record@{resumed_rows}")
+    _, log = launch(config, out, "--adapter", kind, *ADAPTER, *args, "--resume", "latest", procs=procs,
+                    fault=f"record@{resumed_rows}")
     resumed = records_since(out / "metrics.jsonl", offset)  # what the resume logged, not the killed run's lines
     assert sorted(resumed) == [3, 4]
     assert_follows(resumed, killed, (3, 4), tol=tol)
@@ -1029,13 +1035,15 @@ def kill_9_then_resume(config: str, kind: str, tmp_path: Path, first_line: str, 
 
 
 @pytest.mark.engine
-def test_ddp_qlora_trains_the_adapter_alone_and_merges_into_the_unquantized_base(tmp_path):
-    """QLoRA under DDP (2 ranks): NF4 base (bitsandbytes on this CPU, uint8 storage), adapters trained, the base bit
-    for bit as it started, the adapter saved and merged into the fp32 base; that merged model goes through
+def test_ddp_qlora_survives_kill_9_and_merges_into_the_unquantized_base(tmp_path):
+    """QLoRA under DDP (2 ranks): NF4 base (bitsandbytes on this CPU, uint8 storage), adapters trained; rank 1
+    SIGKILLed after step 4 (its checkpoint never written), then `--resume latest` on 2 ranks from step 2 (the NF4 base
+    re-quantized from the source, checked by digest) redoes steps 3 and 4 on the killed run's trajectory and rows; the
+    base bit for bit as it started, the adapter saved and merged into the fp32 base; that merged model goes through
     `hfscale quantize --format gguf` (Q8_0) and runs in llama.cpp."""
-    out = tmp_path / "run"
-    _, log = launch("ddp.yaml", out, "--adapter", "qlora", *ADAPTER)
-    assert "QLoRA r8 (alpha 16): 135,168 trained" in log and "DistributedType.MULTI_CPU world 2" in log
+    # the same world, the same sums on the same re-quantized base: measured |delta| = 0.0 (steps 3, 4)
+    out, log = kill_9_then_resume("ddp.yaml", "qlora", tmp_path, "QLoRA r8 (alpha 16): 135,168 trained")
+    assert "DistributedType.MULTI_CPU world 2" in log and "at step 2" in log
     assert "checkpointed layers [0, 2]" in log  # non-reentrant checkpointing on a frozen base: no input grads needed
     assert_adapter_run(out, log, "qlora", nf4=qlora_dtypes(_launch_precision(), None, False))  # fp32 / uint8
 
@@ -1131,35 +1139,32 @@ def assert_adapter_only_states(ckpt: Path, trained: int, tensors: int) -> dict:
 
 
 @pytest.mark.engine
-def test_zero3_dora_trains_saves_and_resumes_on_1_rank(tmp_path):
-    """DoRA under ZeRO-3 (2 ranks, the base loaded partitioned by zero.Init; the adapter and DoRA's magnitude vectors
-    gathered before they are saved: not the 40-byte file of trl #4416), then its step-2 checkpoint resumed on 1 rank
-    (DeepSpeed's universal checkpoint, frozen parameters included) follows the uninterrupted run and ends with the
-    same adapter. This resume crashed in peft's DoRA forward before hfscale.scale.adapters.gather_dora_inputs_
-    (IndexError on lora_A's 0-element partition in the recompute of a checkpointed layer)."""
-    ref = tmp_path / "ref"
-    _, log = launch("zero3.yaml", ref, "--adapter", "dora", *ADAPTER)
-    assert "DoRA r8 (alpha 16): 144,384 trained" in log and "DistributedType.DEEPSPEED world 2" in log
-    assert_adapter_run(ref, log, "dora")
-    # 144,384 trained = 28 linears x (8 x in + out x 8 + out); Adam for them alone: 12 B each, over both ranks
-    sizes = assert_adapter_only_states(ref / "checkpoints" / "step_00000004", 144_384, 1)
-    print("ZeRO-3 DoRA checkpoint bytes (2 ranks):", sizes)
+def test_zero3_dora_survives_kill_9_and_resumes_on_1_rank(tmp_path):
+    """DoRA under ZeRO-3 (2 ranks, the base loaded partitioned by zero.Init): rank 1 SIGKILLed after step 4 (its
+    checkpoint never written); the step-2 checkpoint the 2 ranks saved holds the adapter's partitions alone, then
+    `--resume latest` on 1 rank (DeepSpeed's universal checkpoint, frozen parameters included) redoes steps 3 and 4 on
+    the killed run's trajectory and rows and ends with every adapter check (DoRA's magnitude vectors saved whole, not
+    the 40-byte file of trl #4416). This resume crashed in peft's DoRA forward before
+    hfscale.scale.adapters.gather_dora_inputs_ (IndexError on lora_A's 0-element partition in the recompute of a
+    checkpointed layer)."""
     from hfscale.export.ckpt_export import export, info
     from hfscale.util.errors import HfscaleError
 
-    i = info(ref / "checkpoints" / "step_00000004")
+    killed = []
+    out, log = kill_9_then_resume("zero3.yaml", "dora", tmp_path, "DoRA r8 (alpha 16): 144,384 trained", procs=1,
+                                  tol=RESHAPE_TOL, killed_log=killed)
+    assert "DistributedType.DEEPSPEED world 2" in killed[0]
+    assert "resuming step 2 saved by 2 ranks on 1 rank: universal checkpoint" in log
+    assert_adapter_run(out, log, "dora")
+    # 144,384 trained = 28 linears x (8 x in + out x 8 + out); Adam for them alone: 12 B each, over both ranks
+    step2 = out / "checkpoints" / "step_00000002"  # saved by the 2 ranks of the killed run, kept (keep-last 2)
+    print("ZeRO-3 DoRA checkpoint bytes (2 ranks):", assert_adapter_only_states(step2, 144_384, 1))
+    i = info(step2)
     assert i.adapter == "DoRA r8 (alpha 16)" and "adapter DoRA r8 (alpha 16) on a frozen base" in i.lines()[1]
     assert i.lines()[2].startswith("adapter only: the base is not in it; it needs tiny-gemma3 seed 0 (frozen base digest ")
     with pytest.raises(HfscaleError, match="adapter-only checkpoint .*not the base, which export needs"):
-        export(ref / "checkpoints" / "step_00000004", tmp_path / "export")
+        export(step2, tmp_path / "export")
     assert not (tmp_path / "export").exists()
-    out = tmp_path / "run"
-    shutil.copytree(ref / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
-    _, log = launch("zero3.yaml", out, "--adapter", "dora", *ADAPTER, "--resume", "latest", procs=1)
-    assert "resuming step 2 saved by 2 ranks on 1 rank: universal checkpoint" in log
-    assert_follows(read_records(out / "metrics.jsonl"), read_records(ref / "metrics.jsonl"), (3, 4))
-    ev = read_records(out / "metrics.jsonl", "eval")[4]["loss"]
-    assert abs(ev - read_records(ref / "metrics.jsonl", "eval")[4]["loss"]) < RESHAPE_TOL
     print("ZeRO-3 DoRA checkpoint bytes (1 rank):", assert_adapter_only_states(out / "checkpoints" / "step_00000004", 144_384, 1))
 
 
@@ -1170,7 +1175,7 @@ def test_ddp_dora_survives_kill_9_and_resumes_on_1_rank_on_the_uninterrupted_tra
     is; accumulation re-derived) redoes steps 3 and 4 on the killed run's trajectory and rows (restored adapter
     weights, Adam moments of the adapter alone, RNG, data position), and the resumed run passes every adapter check.
     Resumed on 2 ranks it redid them bit for bit (|delta| = 0.0); same-rank resumes after a kill: ZeRO-2 LoRA (kill
-    during a save, above, 1e-6) and FSDP2 LoRA (below)."""
+    during a save, above, 1e-6), QLoRA under DDP, LoRA under DDP, ZeRO-3 and FSDP2 (each 0.0)."""
     # 1 rank sums the same micro batches in another order: measured |delta| = 0.0 (steps 3, 4); 1e-4, 50x tighter than
     # RESHAPE_TOL (the bf16 ZeRO reshapes), leaves room for that order only
     out, log = kill_9_then_resume("ddp.yaml", "dora", tmp_path, "DoRA r8 (alpha 16): 144,384 trained", procs=1, tol=1e-4)
@@ -1197,12 +1202,18 @@ def test_fsdp2_lora_survives_kill_9_resumes_and_saves_the_adapter_whole(tmp_path
 @pytest.mark.parametrize("config, distributed, checkpointing, layers", [
     ("ddp.yaml", "MULTI_CPU", "full", "checkpointed layers [0, 1, 2, 3]"),
     ("zero3.yaml", "DEEPSPEED", "off", None)])
-def test_lora_trains_the_adapter_alone(config, distributed, checkpointing, layers, tmp_path):
+def test_lora_survives_kill_9_and_trains_the_adapter_alone(config, distributed, checkpointing, layers, tmp_path):
     """Plain LoRA on the base in the run's own dtype under DDP (every layer checkpointed: non-reentrant, no input
-    gradients needed on the frozen base) and ZeRO-3 (zero.Init partitions the base; no checkpointing; the adapter
-    gathered from both ranks before it is saved: not trl #4416's 40-byte file): every adapter check."""
-    out = tmp_path / "run"
-    _, log = launch(config, out, "--adapter", "lora", *ADAPTER, "--checkpointing", checkpointing)
-    assert "LoRA r8 (alpha 16): 135,168 trained" in log and f"DistributedType.{distributed} world 2" in log
-    assert (layers in log) if layers else "checkpointed layers" not in log
+    gradients needed on the frozen base) and ZeRO-3 (zero.Init partitions the base; no checkpointing): rank 1
+    SIGKILLed after step 4 (its checkpoint never written), `--resume latest` on 2 ranks redoes steps 3 and 4 on the
+    killed run's trajectory and rows; the adapter gathered from both ranks before it is saved (not trl #4416's 40-byte
+    file): every adapter check."""
+    # the same world: the same shards, the same sums; measured |delta| = 0.0 (steps 3, 4) under both engines
+    killed = []
+    out, log = kill_9_then_resume(config, "lora", tmp_path, "LoRA r8 (alpha 16): 135,168 trained",
+                                  "--checkpointing", checkpointing, killed_log=killed)
+    for text in (*killed, log):
+        assert f"DistributedType.{distributed} world 2" in text
+        assert (layers in text) if layers else "checkpointed layers" not in text
+    assert "at step 2" in log
     assert_adapter_run(out, log, "lora")
