@@ -46,13 +46,15 @@ $(STAMP): pyproject.toml requirements.lock
 demo: install
 	$(VENV)/bin/hfscale demo
 
-# The in-process tests (not engine, not slow: ~650, mostly one thread of Python) on two pytest-xdist workers, a file
-# per worker at a time (docs/install.md: 531 s -> 344 s on 2 cores); then the launches, fixtures and real runtimes one
-# at a time, as each uses both cores itself. Both parts always run; the status fails if either failed.
+# The in-process tests (not engine, not slow: ~650, mostly one thread of Python) and the slow ones that are one
+# thread's work (onecore: pip, one subprocess at a time) on two pytest-xdist workers, a file per worker at a time
+# (docs/install.md: 531 s -> 344 s on 2 cores); then the launches, fixtures and real runtimes one at a time, as each
+# uses both cores itself. Both parts always run; the status fails if either failed.
 SUITE = $(PY) -m pytest -q -ra -p no:cacheprovider
+PART1 = $(SUITE) -m "not engine and (not slow or onecore)" -n 2 --dist loadfile --durations=10
+PART2 = $(SUITE) -m "engine or (slow and not onecore)" --durations=30
 test: install
-	$(SUITE) -m "not engine and not slow" -n 2 --dist loadfile --durations=10; a=$$?; \
-	$(SUITE) -m "engine or slow" --durations=30; b=$$?; exit $$(( a || b ))
+	$(PART1); a=$$?; $(PART2); b=$$?; exit $$(( a || b ))
 
 # a few minutes: no multi-process launch, no fixture training, no llama.cpp / ExecuTorch / real-step subprocess
 test-fast: install
@@ -63,8 +65,7 @@ test-fast: install
 # whose alignment-dependent gemv rounding AMD hosts showed (docs/install.md: what it reproduces, how its times compare)
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=SSE4_2 HFSCALE_NATIVE_BF16=0
 test-avx2: install
-	export $(AVX2_ENV); $(SUITE) -m "not engine and not slow" -n 2 --dist loadfile --durations=10; a=$$?; \
-	$(SUITE) -m "engine or slow" --durations=30; b=$$?; exit $$(( a || b ))
+	export $(AVX2_ENV); $(PART1); a=$$?; $(PART2); b=$$?; exit $$(( a || b ))
 
 # Regenerate every shipped config from the CLI (the tests fail on drift from this).
 configs: install

@@ -143,6 +143,13 @@ SLOW_TESTS = {  # file -> test-name prefixes ("" = every test in the file): why
     "test_trace.py": ("test_fake_trace_equals_real_steps", "test_plan_trace_any_architecture"),  # real steps, 13 families
     "test_prune.py": ("test_params_target_saves",),  # prune + save + reload per family
 }
+# slow, but one thread's work (pip and venv builds, CLI subprocesses one at a time): `onecore` lets `make test` run them
+# beside the in-process tests on the two xdist workers rather than alone in the second part (Makefile: PART1 / PART2)
+ONECORE_TESTS = {
+    "test_install.py": ("",),                  # a venv, pip and a wheel build; the core verbs in it
+    "test_trace.py": ("test_plan_trace_any_architecture",),  # four `hfscale plan` runs, fake tensors, one after another
+    "test_prune.py": ("test_params_target_saves",),  # prune in this process, a reload in one subprocess
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -152,6 +159,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if ENGINE_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.engine)
+        if any(item.name.startswith(p) for p in ONECORE_TESTS.get(item.path.name, ())):
+            item.add_marker(pytest.mark.onecore)
 
 
 @pytest.fixture
