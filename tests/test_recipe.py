@@ -603,7 +603,7 @@ def test_fsdp2_trains_survives_kill_9_and_resumes_on_2_and_on_1_rank(tmp_path):
     try:
         _, log = finish_launch(two_ranks)
         assert "at step 6" in log
-        resumed = records_since(out / "metrics.jsonl", offset)  # what the resume logged, not the killed run's lines
+        resumed = read_records(out / "metrics.jsonl", offset=offset)  # what the resume logged, not the killed run's lines
         assert sorted(resumed) == [7, 8]
         # restored Adam step and moments: measured bit-identical (|delta| = 0.0); 1e-6 leaves room for kernel-order noise
         assert max(abs(resumed[s]["loss"] - reference[s]["loss"]) for s in (7, 8)) < 1e-6
@@ -666,17 +666,17 @@ def read_indices(directory: Path) -> dict[int, list]:
     return {step: sorted(next(iter(w.values()))) for step, w in got.items()}
 
 
-def records_since(path: Path, offset: int, kind: str = "train") -> dict[int, dict]:
-    """read_records of the lines written after byte `offset` of a metrics.jsonl (a resumed run appends to its killed
-    run's file: what only the resume logged)."""
-    out = {}
-    with open(path, "rb") as f:
-        f.seek(offset)
-        for line in f.read().decode().splitlines():
-            r = json.loads(line)
-            if r.get("kind") == kind:
-                out[int(r["step"])] = r
-    return out
+def test_read_records_from_an_offset_sees_only_what_a_resume_appended(tmp_path):
+    """A resume appends to its killed run's metrics.jsonl: read from the offset, only its own lines count (a resume that
+    logged nothing reads as nothing, not as the killed run's steps); a line cut by the kill is skipped."""
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 9.0 - s}) + "\n" for s in (1, 2, 3)) + '{"kind": "tr')
+    offset = m.stat().st_size
+    assert sorted(read_records(m)) == [1, 2, 3] and read_records(m, offset=offset) == {}
+    with open(m, "a") as f:
+        f.write("\n" + json.dumps({"kind": "train", "step": 3, "loss": 5.5}) + "\n" + json.dumps({"kind": "eval", "step": 3}) + "\n")
+    assert read_records(m, offset=offset) == {3: {"kind": "train", "step": 3, "loss": 5.5}}
+    assert read_records(m)[3]["loss"] == 5.5 and sorted(read_records(m, "eval", offset)) == [3]
 
 
 def flip_byte(path: Path) -> None:
@@ -1026,7 +1026,7 @@ def kill_9_then_resume(config: str, kind: str, tmp_path: Path, first_line: str, 
     offset = (out / "metrics.jsonl").stat().st_size
     _, log = launch(config, out, "--adapter", kind, *ADAPTER, *args, "--resume", "latest", procs=procs,
                     fault=f"record@{resumed_rows}")
-    resumed = records_since(out / "metrics.jsonl", offset)  # what the resume logged, not the killed run's lines
+    resumed = read_records(out / "metrics.jsonl", offset=offset)  # what the resume logged, not the killed run's lines
     assert sorted(resumed) == [3, 4]
     assert_follows(resumed, killed, (3, 4), tol=tol)
     mine, theirs = read_indices(resumed_rows), read_indices(killed_rows)

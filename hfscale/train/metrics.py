@@ -35,13 +35,17 @@ class MetricsLog:
             f.flush()
 
 
-def read_records(path: str | os.PathLike, kind: str = "train") -> dict[int, dict]:
-    """step -> the last record of `kind` for that step (a resumed run rewrites the steps it redoes)."""
+def read_records(path: str | os.PathLike, kind: str = "train", offset: int = 0) -> dict[int, dict]:
+    """step -> the last record of `kind` for that step (a resumed run rewrites the steps it redoes); `offset`: only the
+    lines written after that byte (a resumed run appends to its killed run's file: what the resume alone logged)."""
     out: dict[int, dict] = {}
     p = Path(path)
     if not p.is_file():
         return out
-    for line in p.read_text().splitlines():
+    with open(p, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode()
+    for line in text.splitlines():
         try:
             r = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a kill
