@@ -199,7 +199,7 @@ def check_adapter(cfg, pre) -> None:
                           "your own loop")
     if spec.base_bits == 4:
         qlora_dtypes_of(pre)
-    if spec.trainable_tokens:  # peft's trainable_token_indices failed under ZeRO-3 and FSDP2 here (TOKENS_REFUSED)
+    if spec.trainable_tokens or spec.embedding:  # failed under ZeRO-3 / FSDP2 here (TOKENS_REFUSED, EMBEDDING_REFUSED)
         from hfscale.scale.adapters import check_engine
 
         check_engine(spec, zero_stage_of(pre), pre.launch.fsdp)

@@ -451,3 +451,92 @@ def test_chat_data_without_template_rows_gets_the_note_where_the_engine_allows_t
                                   "messages", None, False), (AdapterSpec(), "messages", None, False),
                                   (lora, "messages", 3, False), (lora, "messages", None, True)]:
         assert template_tokens_note(spec, fmt, zero, fsdp) is None, (spec, fmt, zero, fsdp)
+
+
+def test_embedding_adapter_is_one_tied_pair_that_trains_saves_reloads_and_merges_tied(tmp_path):
+    """AdapterSpec(embedding=True) on a tied model: LoRA on the input embedding and on the lm_head, whose factors are
+    the embedding's own Parameters transposed (hfscale.scale.adapters.tie_head_adapter_; peft's ensure_weight_tying
+    alone makes them new Parameters over the same storage, two Adam states stepping it twice). The output side's
+    gradient reaches the pair (rows of tokens the input never held), the base stays bit for bit, the adapter file holds
+    the pair (and peft's names for the lm_head's: the same, transposed) and no embedding matrix, it reloads with peft
+    (no missing key) to the live logits and merges into one matrix, still tied."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    from hfscale.models.loss import lm_loss
+    from hfscale.scale.adapters import merge_into_base
+
+    base = tiny()
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    spec = AdapterSpec("lora", rank=4, embedding=True)
+    pm = apply_adapter(base, spec)
+    emb, head = pm.get_input_embeddings(), pm.get_output_embeddings()
+    trained = {n: p for n, p in pm.named_parameters() if p.requires_grad}
+    assert len(trained) == 2 * 4 * 7 + 2 and not [n for n in trained if "lm_head" in n]
+    assert head.lora_A["default"].source is emb.lora_embedding_B["default"]  # the same tensors, not copies
+    assert head.lora_B["default"].source is emb.lora_embedding_A["default"]
+    batch = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))  # ids < 100 only
+    opt = torch.optim.AdamW(adapter_param_groups(pm, spec, lr=1e-2))
+    for step in range(3):
+        lm_loss(pm, batch).backward()
+        if step == 0:  # lora_embedding_A [r, vocab]: its columns of ids the input never held move through the lm_head
+            assert emb.lora_embedding_A["default"].grad[:, 100:].abs().sum(0).gt(0).all()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters() if n in before)  # the frozen base
+    ids = torch.randint(3, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
+    pm.eval()
+    with torch.no_grad():
+        live, plain = pm(input_ids=ids).logits, tiny()(input_ids=ids).logits
+    assert (live - plain).abs().max() > 1e-1
+    # saved as the recipe saves (hfscale.train.state.save_final_adapter): the trained tensors, no embedding matrix
+    from hfscale.scale.adapters import tied_head_factors
+
+    state = {n: p.detach().clone() for n, p in trained.items()}
+    state.update(tied_head_factors(pm, state))  # peft's names for the lm_head's (the embedding's factors, transposed)
+    pm.save_pretrained(tmp_path, state_dict=state, safe_serialization=True, save_embedding_layers=False)
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    emb_keys = {k: v for k, v in shapes.items() if "embed" in k or "lm_head" in k}
+    assert len(shapes) == 60 and sorted(emb_keys.values()) == [(4, 192), (4, 4096), (192, 4), (4096, 4)], emb_keys
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # peft's "Found missing adapter keys" would be one: none missing
+        warnings.filterwarnings("ignore", message=".*tied_target_modules.*")
+        reloaded = PeftModel.from_pretrained(tiny(), tmp_path).eval()(input_ids=ids).logits
+        merged_model = merge_into_base(tiny(), tmp_path).eval()
+        merged = merged_model(input_ids=ids).logits
+    assert torch.allclose(reloaded, live, atol=1e-5, rtol=0)
+    # merged once into the one matrix (merging the lm_head's delta too would add it twice: measured 1.36 off)
+    assert torch.allclose(merged, live, atol=1e-4, rtol=1e-4)
+    assert merged_model.lm_head.weight is merged_model.model.embed_tokens.weight
+    src = tiny().state_dict()
+    moved = {k for k, v in merged_model.state_dict().items() if not torch.equal(v, src[k])}
+    assert moved == {f"model.layers.{i}.{g}.{n}.weight" for i in range(4) for g, ns in
+                     (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+                     for n in ns} | {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+def test_embedding_adapter_refusals():
+    """What the embedding adapter cannot run with is one line: trainable_tokens (both adapt the embedding), an SVD /
+    QR init, ZeRO-3 (by hand: a 1-rank resume failed in backward) and FSDP2 (fully_shard re-registers the shared
+    factor), in the recipe and in doctor alike; DDP and ZeRO-2 ran and resumed by hand (docs/adapters.md)."""
+    from hfscale.doctor.adapters import adapter_engine_refused
+    from hfscale.doctor.inputs import Setup
+    from hfscale.scale.adapters import check_engine
+
+    for extra, needle in [({"trainable_tokens": "template"}, "trainable_tokens"), ({"init": "pissa"}, "init pissa")]:
+        with pytest.raises(ConfigError, match=f"adapter embedding cannot run with {needle}"):
+            AdapterSpec("lora", rank=2, embedding=True, **extra)
+    spec = AdapterSpec("lora", rank=2, embedding=True)
+    assert "embedding" in spec.describe()
+    for zero, fsdp, needle in [(3, False, "ZeRO-3 failed here: .*resumed on 1 rank"), (None, True, "FSDP2 failed here")]:
+        with pytest.raises(ConfigError, match=needle + ".*ddp.yaml or zero2.yaml, or drop embedding") as e:
+            check_engine(spec, zero, fsdp)
+        assert "\n" not in str(e.value)
+    for zero in (None, 1, 2):
+        check_engine(spec, zero, False)
+    fsdp2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}
+    found = list(adapter_engine_refused(Setup(accelerate=fsdp2, args={"adapter": {"kind": "lora", "embedding": True}})))
+    assert len(found) == 1 and "FSDP2 failed here" in found[0].what

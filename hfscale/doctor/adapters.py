@@ -166,9 +166,8 @@ def qlora_fsdp2_storage(s: Setup) -> Iterator[Finding]:
 
 @check
 def adapter_engine_refused(s: Setup) -> Iterator[Finding]:
-    """The recipe's own QLoRA (`adapter: qlora` / `adapter: {kind: qlora}`), or its trainable_tokens, on an engine the
-    recipe refuses it on: the
-    same table (scale.adapters.engine_refusal) the recipe raises from, so doctor says it from the files before a
+    """The recipe's own QLoRA (`adapter: qlora` / `adapter: {kind: qlora}`), its trainable_tokens or its embedding
+    adapter, on an engine the recipe refuses it on: the same table (scale.adapters.engine_refusal) the recipe raises from, so doctor says it from the files before a
     launch. TRL's keys (a user's own Trainer) are left to qlora-zero3-storage / qlora-fsdp2-storage."""
     from ..scale.adapters import engine_refusal
     from .fsdp import _fsdp2
@@ -176,7 +175,8 @@ def adapter_engine_refused(s: Setup) -> Iterator[Finding]:
     v, a = adapter_view(s), s.args if isinstance(s.args, dict) else {}
     if v is None or not isinstance(a.get("adapter"), (dict, str)):
         return
-    tokens = isinstance(a["adapter"], dict) and bool(a["adapter"].get("trainable_tokens"))
-    refused = engine_refusal(v.kind, zero_stage(s), _fsdp2(s), tokens)
+    section = a["adapter"] if isinstance(a["adapter"], dict) else {}
+    refused = engine_refusal(v.kind, zero_stage(s), _fsdp2(s), bool(section.get("trainable_tokens")),
+                             bool(section.get("embedding")))
     if refused is not None:
         yield Finding("adapter-engine-refused", "error", v.where, refused[0], refused[1])

@@ -81,6 +81,10 @@ class AdapterSpec:
     # embedding rows trained (peft trainable_token_indices), tied kept tied: token ids, and / or "template" for the ids
     # the chat template writes (a base pre-trained on plain text never learnt them; resolved by with_tokens)
     trainable_tokens: tuple = ()
+    # also LoRA on the input embedding (peft's lora.Embedding) and, where the model ties its lm_head to it, on the lm_head
+    # with the two adapters tied (peft's ensure_weight_tying): a low-rank move of every token's row, read and written
+    # alike, which LoRA on the decoder linears cannot make (benchmarks/results/adapters.md: the chat template's tokens)
+    embedding: bool = False
     # also LoRA on the MoE experts' 3-D parameters (Qwen3-MoE, Gemma 4 26B-A4B: `experts.gate_up_proj`,
     # `experts.down_proj`) through peft's target_parameters; the router never gets an adapter
     experts: bool = False
@@ -124,6 +128,10 @@ class AdapterSpec:
         if any(t != TEMPLATE_TOKENS and t < 0 for t in self.trainable_tokens):
             raise ConfigError(f"trainable_tokens must be token ids >= 0 or {TEMPLATE_TOKENS!r} (got "
                               f"{list(self.trainable_tokens)})")
+        if self.embedding and (self.trainable_tokens or self.init in ("pissa", "olora")):
+            what = "trainable_tokens (both adapt the embedding)" if self.trainable_tokens else f"init {self.init}"
+            raise ConfigError(f"adapter embedding cannot run with {what} here; drop one of them (embedding moves every "
+                              "token's row in low rank, trainable_tokens a few rows in full)")
 
     # --- what other modules read ---
     @property
@@ -167,7 +175,7 @@ class AdapterSpec:
             [f"init {self.init}"] if self.init != "default" else []) + (
             ["the chat template's tokens trained"] if self.names_template else
             [f"{len(self.trainable_tokens)} trainable tokens"] if self.trainable_tokens else []) + (
-            ["experts"] if self.experts else [])
+            ["embedding"] if self.embedding else []) + (["experts"] if self.experts else [])
         return f"{NAMES[self.kind]} r{self.rank} ({', '.join(extras)})"
 
     def to_dict(self) -> dict:
@@ -220,6 +228,17 @@ def target_modules(model, spec: AdapterSpec) -> list[str]:
     return found
 
 
+def embedding_modules(model, spec: AdapterSpec) -> list[str]:
+    """The full names of the embedding modules the adapter goes on (spec.embedding): the input embedding and, where
+    the model ties its output embedding (lm_head) to it, that one too (its adapter tied to the embedding's: peft's
+    ensure_weight_tying), so the model stays tied and its merge stays one matrix. [] without spec.embedding."""
+    if not spec.embedding:
+        return []
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is emb.weight
+    return [name for name, m in model.named_modules() if m is emb or (tied and m is head)]
+
+
 def expert_parameters(model, spec: AdapterSpec) -> list[str]:
     """The full names of the MoE expert tensors the adapter goes on (spec.experts): the 3-D parameters of every module
     named `experts` (transformers 5 fuses each layer's experts into `gate_up_proj` [E, 2I, H] and `down_proj`
@@ -250,9 +269,11 @@ def lora_config(model, spec: AdapterSpec):
     if spec.trainable_tokens:  # tied: the lm_head's rows are the embedding's (else it keeps its own copy)
         kw["trainable_token_indices"] = list(spec.trainable_tokens)
         kw["ensure_weight_tying"] = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    if spec.embedding:  # the lm_head's adapter is the embedding's, transposed: one low-rank move of the tied matrix
+        kw["ensure_weight_tying"] = len(embedding_modules(model, spec)) == 2
     # one regex of the exact names: peft matches a list's entries as suffixes, so "q_proj" would also take a tower's
     # "vision_tower.q_proj" (a Gemma4ClippableLinear peft rejects); a str target is re.fullmatch'ed
-    exact = "|".join(re.escape(n) for n in target_modules(model, spec))
+    exact = "|".join(re.escape(n) for n in target_modules(model, spec) + embedding_modules(model, spec))
     if spec.experts:  # exact names too: peft matches each as a name or a suffix of one
         kw["target_parameters"] = expert_parameters(model, spec)
     return LoraConfig(r=int(spec.rank), lora_alpha=spec.alpha, lora_dropout=spec.dropout,
@@ -267,7 +288,7 @@ def adapted(peft_model) -> tuple[set, set]:
 
     modules, params = set(), set()
     for name, m in peft_model.named_modules():
-        if not isinstance(m, LoraLayer) or "default" not in getattr(m, "lora_A", {}):
+        if not isinstance(m, LoraLayer) or not any("default" in getattr(m, k, {}) for k in ("lora_A", "lora_embedding_A")):
             continue
         own = name.removeprefix("base_model.model.").replace(".base_layer", "")
         if isinstance(m, ParamWrapper):
@@ -284,9 +305,13 @@ def apply_adapter(model, spec: AdapterSpec):
         return model
     from peft import get_peft_model
 
+    import warnings
+
     config = lora_config(model, spec)
-    want = (set(target_modules(model, spec)), set(expert_parameters(model, spec)))
-    model = get_peft_model(model, config)
+    want = (set(target_modules(model, spec) + embedding_modules(model, spec)), set(expert_parameters(model, spec)))
+    with warnings.catch_warnings():  # "tied_target_modules ... can lead to complications": tie_head_adapter_ below
+        warnings.filterwarnings("ignore", message=".*tied_target_modules.*")
+        model = get_peft_model(model, config)
     # peft 0.21 rewrites the targets of some MoE models (qwen3_moe, mixtral: its transformers-v5 conversion turns a
     # regex into leaf names and maps gate_proj / up_proj / down_proj onto the fused expert tensors, router `gate` onto
     # gate.weight): what was adapted must be what was asked, or the run says so rather than train something else
@@ -299,7 +324,53 @@ def apply_adapter(model, spec: AdapterSpec):
                           f"{', '.join(extra[:2]) or 'none'}; left out {', '.join(missing[:2]) or 'none'}: its MoE target "
                           "conversion); set adapter targets to the attention linears (q_proj,k_proj,v_proj,o_proj) and "
                           "experts: true for the expert tensors")
+    if spec.embedding:
+        tie_head_adapter_(model)
     return model
+
+
+def tie_head_adapter_(model) -> bool:
+    """peft's ensure_weight_tying gives the tied lm_head LoRA factors of its own: new Parameters over the embedding
+    factors' storage (views), so an optimizer steps that storage twice with two Adam states, and an engine that
+    flattens parameters (DeepSpeed) unties them. Here the lm_head's lora_A / lora_B become the embedding's
+    lora_embedding_B / lora_embedding_A themselves (transposed on read): model.parameters() holds each once. Returns
+    whether the model had a tied lm_head adapter."""
+    import torch
+
+    class Transposed(torch.nn.Module):
+        """A factor of the lm_head's LoRA that is the embedding's factor itself, read transposed as the nn.Linear it
+        replaces (`weight`, forward): one Parameter, its gradient summed over both uses, one Adam state."""
+
+        def __init__(self, source):
+            super().__init__()
+            self.source = source
+
+        @property
+        def weight(self):
+            return self.source.t()
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.source.t())
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or "default" not in getattr(head, "lora_A", {}) or "default" not in getattr(emb, "lora_embedding_A", {}):
+        return False
+    head.lora_A["default"] = Transposed(emb.lora_embedding_B["default"])
+    head.lora_B["default"] = Transposed(emb.lora_embedding_A["default"])
+    return True
+
+
+def tied_head_factors(model, state: dict) -> dict:
+    """The tied lm_head's LoRA factors in peft's file names, from the embedding's in `state` (trained tensors by
+    their parameter names), for an adapter file peft reloads with no missing keys; {} without a tied head adapter."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    lora_a = getattr(head, "lora_A", None)
+    if lora_a is None or "default" not in lora_a or not hasattr(lora_a["default"], "source"):
+        return {}
+    names = {m: n for n, m in model.named_modules() if m is emb or m is head}
+    e = names[emb]
+    return {f"{names[head]}.lora_A.default.weight": state[f"{e}.lora_embedding_B.default"].t().contiguous(),
+            f"{names[head]}.lora_B.default.weight": state[f"{e}.lora_embedding_A.default"].t().contiguous()}
 
 
 def gather_dora_inputs_(model) -> int:
@@ -380,18 +451,34 @@ TOKENS_REFUSED = {
 }
 
 
+# the engines where the embedding adapter (AdapterSpec.embedding) failed here, tiny Gemma 3 on 2 CPU ranks (recipes/
+# train_clm.py --adapter lora --lora-embedding true, by hand: DDP and ZeRO-2 ran and resumed, the adapter saved whole,
+# the merged model tied and equal to base + adapter): engine -> (what happened, the way out)
+EMBEDDING_REFUSED = {
+    "zero3": ("adapter embedding under ZeRO-3 failed here: a 2-rank run trained, its checkpoint resumed on 1 rank "
+              "failed in backward (the factor the embedding and the lm_head share was released between its two uses: "
+              "size 0 vs 8)", "launch with accelerate_configs/ddp.yaml or zero2.yaml, or drop embedding"),
+    "fsdp2": ("adapter embedding under FSDP2 failed here: fully_shard re-registers the tied lm_head's LoRA factor, which is "
+              "the embedding's (KeyError: attribute 'weight' already exists)",
+              "launch with accelerate_configs/ddp.yaml or zero2.yaml, or drop embedding"),
+}
+
+
 def engine_of(zero_stage: int | None, fsdp: bool) -> str:
     """The engine as the adapter rules see it: fsdp2 | zero3 (both shard parameters of one dtype) | other."""
     return "fsdp2" if fsdp else "zero3" if zero_stage == 3 else "other"
 
 
-def engine_refusal(kind: str, zero_stage: int | None, fsdp: bool, tokens: bool = False) -> tuple[str, str] | None:
-    """(what, the way out) where hfscale refuses an adapter of `kind` (with trainable `tokens`) on this engine
-    (QLORA_REFUSED, TOKENS_REFUSED), else None. LoRA on MoE experts is refused nowhere: peft's target_parameters ran
+def engine_refusal(kind: str, zero_stage: int | None, fsdp: bool, tokens: bool = False,
+                   embedding: bool = False) -> tuple[str, str] | None:
+    """(what, the way out) where hfscale refuses an adapter of `kind` (with trainable `tokens`, with the `embedding`
+    adapter) on this engine (QLORA_REFUSED, TOKENS_REFUSED, EMBEDDING_REFUSED), else None. LoRA on MoE experts is refused nowhere: peft's target_parameters ran
     on DDP, ZeRO-2, ZeRO-3 (zero.Init) and FSDP2 (tests/scripts/expert_lora_engines.py, by hand)."""
     engine = engine_of(zero_stage, fsdp)
     refused = QLORA_REFUSED.get(engine) if KINDS.get(kind, (16,))[0] == 4 else None
-    return refused or (TOKENS_REFUSED.get(engine) if tokens and kind in KINDS and kind != "none" else None)
+    adapter = kind in KINDS and kind != "none"
+    return refused or (TOKENS_REFUSED.get(engine) if tokens and adapter else None) or (
+        EMBEDDING_REFUSED.get(engine) if embedding and adapter else None)
 
 
 def template_tokens_note(spec: AdapterSpec, data_format: str | None, zero_stage: int | None, fsdp: bool) -> str | None:
@@ -408,7 +495,7 @@ def template_tokens_note(spec: AdapterSpec, data_format: str | None, zero_stage:
 
 def check_engine(spec: AdapterSpec, zero_stage: int | None, fsdp: bool) -> None:
     """The launch's refusal of `spec` on this engine, one line naming the way out (ConfigError), or nothing."""
-    refused = engine_refusal(spec.kind, zero_stage, fsdp, bool(spec.trainable_tokens))
+    refused = engine_refusal(spec.kind, zero_stage, fsdp, bool(spec.trainable_tokens), spec.embedding)
     if refused is not None:
         raise ConfigError("; ".join(refused))
 
@@ -539,7 +626,16 @@ def merge_into_base(base, adapter_dir):
     if getattr(getattr(base, "config", None), "quantization_config", None) is not None:
         raise ConfigError("merge the adapter into the unquantized base: reload the base in its own dtype "
                           "(hfscale.models.build_model), never the 4-bit one")
-    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    import warnings
+
+    with warnings.catch_warnings():  # the tie's merge is handled here (below)
+        warnings.filterwarnings("ignore", message=".*tied_target_modules.*")
+        model = PeftModel.from_pretrained(base, str(adapter_dir))
+    head = model.get_output_embeddings()
+    if tie_head_adapter_(model):  # one matrix: the embedding's delta merged into it is the lm_head's too, once
+        model.base_model.model.set_output_embeddings(head.get_base_layer())
+        model.base_model.model.tie_weights()
+    return model.merge_and_unload()
 
 
 def merge_live(model):

@@ -12,7 +12,8 @@ from ..util.errors import ConfigError, HfscaleError, first_line
 
 
 LORA_DEFAULTS = {"lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0, "lora_targets": None, "lora_rslora": False,
-                 "lora_plus_ratio": 1.0, "lora_init": "default", "lora_experts": False, "lora_trainable_tokens": None}
+                 "lora_plus_ratio": 1.0, "lora_init": "default", "lora_experts": False, "lora_trainable_tokens": None,
+                 "lora_embedding": False}
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class TrainConfig:
     # embedding rows trained beside the adapter (peft trainable_token_indices, a tied lm_head kept tied): "template"
     # (the ids the chat template writes, resolved from the run's tokenizer) and / or token ids, comma-separated
     lora_trainable_tokens: str | None = None
+    # also LoRA on the input embedding and its tied lm_head (AdapterSpec.embedding)
+    lora_embedding: bool = False
     extra: dict = field(default_factory=dict, compare=False)  # recipe YAML notes (ignored)
 
     def __post_init__(self):
@@ -148,7 +151,8 @@ class TrainConfig:
             return AdapterSpec()
         return AdapterSpec(self.adapter, 16 if self.lora_rank is None else self.lora_rank, self.lora_alpha, self.lora_dropout, targets,
                            rslora=self.lora_rslora, lora_plus_ratio=self.lora_plus_ratio, init=self.lora_init,
-                           experts=self.lora_experts, trainable_tokens=self.lora_trainable_tokens or ())
+                           experts=self.lora_experts, trainable_tokens=self.lora_trainable_tokens or (),
+                           embedding=self.lora_embedding)
 
     @property
     def levers(self):
@@ -277,7 +281,8 @@ def data_section(section, path) -> dict:
 # the YAML's adapter: keys -> the flat settings (--lora-rank ... on the command line)
 ADAPTER_KEYS = {"kind": "adapter", "rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
                 "targets": "lora_targets", "rslora": "lora_rslora", "lora_plus_ratio": "lora_plus_ratio", "init": "lora_init",
-                "experts": "lora_experts", "trainable_tokens": "lora_trainable_tokens"}
+                "experts": "lora_experts", "trainable_tokens": "lora_trainable_tokens",
+                "embedding": "lora_embedding"}
 
 
 def adapter_section(section: dict, path) -> dict:

@@ -389,8 +389,12 @@ def save_final_adapter(accelerator, model, tokenizer, out: str | os.PathLike, bu
             raise HfscaleError(f"the adapter gathered for saving is {'empty' if not state else 'partial'} "
                                f"({wrong[:1] or 'no trained tensors'}); nothing saved: this is a bug, report it with the "
                                "launch config")
+        from ..scale.adapters import tied_head_factors
+
+        state = {**state, **tied_head_factors(unwrapped, state)}  # a tied lm_head's factors: the embedding's, transposed
         with staged(out / "adapter", directory=True) as tmp:
-            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            # save_embedding_layers False: peft would add the whole (frozen) embedding where one is adapted
+            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
             numel, nbytes = saved_numel(tmp)
             want = sum(t.numel() for t in state.values())
             if numel != want:
