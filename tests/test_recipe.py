@@ -895,7 +895,7 @@ def assert_export_matches_zero_to_fp32(ckpt: Path, out: Path) -> None:
 ADAPTER = ["--lora-rank", "8", "--lr", "1e-2", "--max-steps", "4", "--save-every", "2", "--keep-last", "2"]
 
 
-def fresh_adapter_model(kind: str, nf4=None):
+def fresh_adapter_model(kind: str, nf4=None, embedding=False):
     """The recipe's model as it starts (seed 0): the base with the adapter on it; for QLoRA (`nf4`: the run's (compute,
     storage) dtypes, hfscale.scale.adapters.qlora_dtypes) the NF4 base quantized as the run quantized it: from
     weights in the compute dtype, packed in the storage dtype (another pair gives other NF4 codes and scales)."""
@@ -903,7 +903,7 @@ def fresh_adapter_model(kind: str, nf4=None):
     from hfscale.scale.adapters import AdapterSpec, apply_adapter, load_quantized_base
 
     base = load_quantized_base("tiny-gemma3", *nf4, device_map="cpu") if nf4 else build_model("tiny-gemma3", seed=0)
-    return apply_adapter(base, AdapterSpec(kind, rank=8))
+    return apply_adapter(base, AdapterSpec(kind, rank=8, embedding=embedding))
 
 
 def checkpoint_model_state(ckpt: Path) -> dict:
@@ -927,21 +927,22 @@ def checkpoint_model_state(ckpt: Path) -> dict:
     return {k: tuple(v.shape) for s in states for k, v in s["module"].items() if torch.is_tensor(v)}
 
 
-def base_digest_of(kind: str, nf4=None, dtype=None) -> str:
+def base_digest_of(kind: str, nf4=None, dtype=None, embedding=False) -> str:
     """hfscale.train.adapter_ckpt.base_digest of the base the run must have trained on, built here from the source:
     the seeded tiny Gemma 3 (cast to `dtype`: DeepSpeed's 16-bit module), or for QLoRA quantized with the run's dtypes."""
     from hfscale.train.adapter_ckpt import base_digest
 
-    fresh = fresh_adapter_model(kind, nf4)
+    fresh = fresh_adapter_model(kind, nf4, embedding)
     return base_digest(fresh.to(dtype) if dtype is not None and not nf4 else fresh)
 
 
-def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
+def assert_adapter_run(out: Path, log: str, kind: str, nf4=None, embedding=False):
     """What an adapter run of the recipe must show: the loss falls; the frozen base in both checkpoints equals the
     base the run started from, bit for bit (the adapters alone moved; QLoRA, `nf4` = the run's (compute, storage)
     dtypes: the packed NF4 weights and their quantization state, in their own dtype); OUTPUT_DIR/adapter holds every adapter tensor
     of every decoder linear with its full shape and reloads with peft to the live final eval loss; OUTPUT_DIR/model
-    (merged into the unquantized base) computes what base + adapter compute."""
+    (merged into the unquantized base) computes what base + adapter compute. `embedding`: the run's --lora-embedding
+    (the embedding's pair, tied to the lm_head's, in the checkpoints, the file and the merge)."""
     import torch
     from peft import PeftModel
     from safetensors import safe_open
@@ -956,12 +957,15 @@ def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
     # the checkpoints hold the adapter alone (every trained tensor, nothing of the base: neither its weights nor an NF4
     # base's quantization state), and name the base they need: its source and the digest of the live frozen base's
     # bytes, equal to the digest of the base built here from the source (QLoRA: re-quantized with the run's dtypes)
-    fresh = fresh_adapter_model(kind, nf4)
+    fresh = fresh_adapter_model(kind, nf4, embedding)
     trained = {n: tuple(p.shape) for n, p in fresh.named_parameters() if p.requires_grad}
-    digest = base_digest_of(kind, nf4, torch.bfloat16 if "DEEPSPEED" in log and _launch_precision() == "bf16" else None)
+    digest = base_digest_of(kind, nf4, torch.bfloat16 if "DEEPSPEED" in log and _launch_precision() == "bf16" else None,
+                            embedding)
     for step in (2, 4):
         ckpt = out / "checkpoints" / f"step_{step:08d}"
         held = checkpoint_model_state(ckpt)
+        # a module state dict names the shared pair twice (the lm_head's factors are the embedding's): one tensor each
+        held = {k: v for k, v in held.items() if not (embedding and ".lm_head.lora_" in k and k.endswith(".source"))}
         assert set(held) == set(trained), sorted(set(held) ^ set(trained))[:3]
         assert all(held[k] in (trained[k], (0,)) for k in held)  # whole, or ZeRO-3's empty placeholder
         base = json.loads((ckpt / "hfscale_state.json").read_text())["base"]
@@ -974,7 +978,13 @@ def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
             expected[f"{name}.lora_B.weight"] = (m.out_features, 8)
             if kind == "dora":
                 expected[f"{name}.lora_magnitude_vector"] = (m.out_features,)
-    assert len(expected) == 4 * 7 * (3 if kind == "dora" else 2)
+    assert len(expected) == 4 * 7 * (3 if kind == "dora" else 2) + (2 if embedding else 0)  # + the lm_head's LoRA
+    if embedding:  # the pair, and peft's names for the tied lm_head's (the same, transposed)
+        emb_w = fresh.get_input_embeddings().weight
+        expected.update({"base_model.model.model.embed_tokens.lora_embedding_A": (8, emb_w.shape[0]),
+                         "base_model.model.model.embed_tokens.lora_embedding_B": (emb_w.shape[1], 8),
+                         "base_model.model.lm_head.lora_A.weight": (8, emb_w.shape[1]),
+                         "base_model.model.lm_head.lora_B.weight": (emb_w.shape[0], 8)})
     with safe_open(str(out / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
         assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == expected
 
@@ -1000,7 +1010,9 @@ def assert_adapter_run(out: Path, log: str, kind: str, nf4=None):
     merged, source = merged.state_dict(), build_model("tiny-gemma3", seed=0).state_dict()
     linears = [k for k in merged if k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj")]
-    assert len(linears) == 4 * 7 and all(not torch.equal(merged[k], source[k]) for k in linears)  # the adapter is in it
+    assert len(linears) == 4 * 7
+    linears += ["model.embed_tokens.weight", "lm_head.weight"] if embedding else []  # one tied matrix, merged once
+    assert all(not torch.equal(merged[k], source[k]) for k in linears)  # the adapter is in it
     assert all(torch.equal(merged[k], source[k]) for k in merged if k not in linears)  # and nothing else moved
 
 
@@ -1196,6 +1208,19 @@ def test_fsdp2_lora_survives_kill_9_resumes_and_saves_the_adapter_whole(tmp_path
     out, log = kill_9_then_resume("fsdp2.yaml", "lora", tmp_path, "LoRA r8 (alpha 16): 135,168 trained")
     assert "DistributedType.FSDP world 2" in log and "at step 2" in log
     assert_adapter_run(out, log, "lora")
+
+
+@pytest.mark.engine
+def test_zero2_lora_embedding_survives_kill_9_and_resumes_on_1_rank(tmp_path):
+    """LoRA with --lora-embedding under ZeRO-2 (2 ranks): the embedding's pair, shared with the tied lm_head (one
+    Parameter each, flattened once by DeepSpeed), trains; rank 1 SIGKILLed after step 4, `--resume latest` on 1 rank
+    (universal checkpoint) redoes steps 3 and 4 on the killed run's trajectory and rows; the adapter file holds the pair
+    (and peft's lm_head names for it), the merge moved the one tied matrix once and kept it tied (every adapter check)."""
+    # 1 rank: DeepSpeed's universal checkpoint (bf16 reshape); by hand: step 3 0.0, step 4 2.9e-4
+    out, log = kill_9_then_resume("zero2.yaml", "lora", tmp_path, "LoRA r8 (alpha 16, embedding): 169,472 trained",
+                                  "--lora-embedding", "true", procs=1, tol=RESHAPE_TOL)
+    assert "resuming step 2 saved by 2 ranks on 1 rank: universal checkpoint" in log
+    assert_adapter_run(out, log, "lora", embedding=True)
 
 
 @pytest.mark.engine
