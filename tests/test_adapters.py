@@ -438,17 +438,18 @@ def test_peft_moving_the_targets_on_a_moe_model_is_refused():
 
 
 def test_chat_data_without_template_rows_gets_the_note_where_the_engine_allows_them():
-    """An adapter run on chat data that trains no token rows is told where most of full fine-tuning's lead lies (the
-    template's rows, benchmarks/results/adapters.md); not on text data, not when rows train, not without an adapter,
-    not where the engine refuses token rows (ZeRO-3, FSDP2)."""
+    """An adapter run on chat data that adapts no embedding row is told where most of full fine-tuning's lead lies
+    (the template's rows, benchmarks/results/adapters.md); not on text data, not when rows train or the embedding is
+    adapted, not without an adapter, not where the engine refuses both (ZeRO-3, FSDP2)."""
     from hfscale.scale.adapters import template_tokens_note
 
     lora = AdapterSpec("lora", rank=2)
     note = template_tokens_note(lora, "messages", None, False)
-    assert note and "--lora-trainable-tokens template" in note and "\n" not in note
+    assert note and "--lora-trainable-tokens template" in note and "--lora-embedding true" in note and "\n" not in note
     assert template_tokens_note(AdapterSpec("qlora", rank=2), "messages", 2, False)  # DDP / ZeRO-1/2 alike
     for spec, fmt, zero, fsdp in [(lora, "text", None, False), (AdapterSpec("lora", rank=2, trainable_tokens="template"),
-                                  "messages", None, False), (AdapterSpec(), "messages", None, False),
+                                  "messages", None, False), (AdapterSpec("lora", rank=2, embedding=True), "messages",
+                                                             None, False), (AdapterSpec(), "messages", None, False),
                                   (lora, "messages", 3, False), (lora, "messages", None, True)]:
         assert template_tokens_note(spec, fmt, zero, fsdp) is None, (spec, fmt, zero, fsdp)
 
