@@ -520,16 +520,18 @@ def test_embedding_adapter_is_one_tied_pair_that_trains_saves_reloads_and_merges
 
 
 def test_embedding_adapter_refusals():
-    """What the embedding adapter cannot run with is one line: trainable_tokens (both adapt the embedding), an SVD /
-    QR init, ZeRO-3 (by hand: a 1-rank resume failed in backward) and FSDP2 (fully_shard re-registers the shared
+    """What the embedding adapter cannot run with is one line: trainable_tokens (both adapt the embedding), DoRA, an
+    SVD / QR init, ZeRO-3 (by hand: a 1-rank resume failed in backward) and FSDP2 (fully_shard re-registers the shared
     factor), in the recipe and in doctor alike; DDP and ZeRO-2 ran and resumed by hand (docs/adapters.md)."""
     from hfscale.doctor.adapters import adapter_engine_refused
     from hfscale.doctor.inputs import Setup
     from hfscale.scale.adapters import check_engine
 
-    for extra, needle in [({"trainable_tokens": "template"}, "trainable_tokens"), ({"init": "pissa"}, "init pissa")]:
+    for kind, extra, needle in [("lora", {"trainable_tokens": "template"}, "trainable_tokens"),
+                                ("lora", {"init": "pissa"}, "init pissa"), ("dora", {}, "DoRA")]:
         with pytest.raises(ConfigError, match=f"adapter embedding cannot run with {needle}"):
-            AdapterSpec("lora", rank=2, embedding=True, **extra)
+            AdapterSpec(kind, rank=2, embedding=True, **extra)
+    AdapterSpec("qlora", rank=2, embedding=True)  # the embedding and lm_head stay unquantized: allowed
     spec = AdapterSpec("lora", rank=2, embedding=True)
     assert "embedding" in spec.describe()
     for zero, fsdp, needle in [(3, False, "ZeRO-3 failed here: .*resumed on 1 rank"), (None, True, "FSDP2 failed here")]:

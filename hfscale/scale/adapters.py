@@ -128,8 +128,10 @@ class AdapterSpec:
         if any(t != TEMPLATE_TOKENS and t < 0 for t in self.trainable_tokens):
             raise ConfigError(f"trainable_tokens must be token ids >= 0 or {TEMPLATE_TOKENS!r} (got "
                               f"{list(self.trainable_tokens)})")
-        if self.embedding and (self.trainable_tokens or self.init in ("pissa", "olora")):
-            what = "trainable_tokens (both adapt the embedding)" if self.trainable_tokens else f"init {self.init}"
+        if self.embedding and (self.trainable_tokens or self.init in ("pissa", "olora") or self.dora):
+            what = ("trainable_tokens (both adapt the embedding)" if self.trainable_tokens else
+                    "DoRA (the tied matrix would need the embedding's and the lm_head's magnitudes at once)" if self.dora
+                    else f"init {self.init}")
             raise ConfigError(f"adapter embedding cannot run with {what} here; drop one of them (embedding moves every "
                               "token's row in low rank, trainable_tokens a few rows in full)")
 
