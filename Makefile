@@ -46,9 +46,9 @@ $(STAMP): pyproject.toml requirements.lock
 demo: install
 	$(VENV)/bin/hfscale demo
 
-# The in-process tests (not engine, not slow: ~650, mostly one thread of Python) and the slow ones that are one
-# thread's work (onecore: pip, one subprocess at a time) on two pytest-xdist workers, a file per worker at a time
-# (docs/install.md: 531 s -> 344 s on 2 cores); then the launches, fixtures and real runtimes one at a time, as each
+# The in-process tests (not engine, not slow: ~650, mostly one thread of Python; 531 s -> 344 s on 2 workers) and the
+# slow ones that mostly keep one core busy (onecore: pip, CLI subprocesses) on two pytest-xdist workers, a file per
+# worker at a time (docs/install.md); then the launches, fixtures and real runtimes one at a time, as each
 # uses both cores itself. Both parts always run; the status fails if either failed.
 SUITE = $(PY) -m pytest -q -ra -p no:cacheprovider
 PART1 = $(SUITE) -m "not engine and (not slow or onecore)" -n 2 --dist loadfile --durations=10

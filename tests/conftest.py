@@ -143,10 +143,11 @@ SLOW_TESTS = {  # file -> test-name prefixes ("" = every test in the file): why
     "test_trace.py": ("test_fake_trace_equals_real_steps", "test_plan_trace_any_architecture"),  # real steps, 13 families
     "test_prune.py": ("test_params_target_saves",),  # prune + save + reload per family
 }
-# slow, but one thread's work (pip and venv builds, CLI subprocesses one at a time): `onecore` lets `make test` run them
-# beside the in-process tests on the two xdist workers rather than alone in the second part (Makefile: PART1 / PART2)
+# slow, but mostly one busy core (pip and venv builds, CLI subprocesses; test_core_verbs_run starts a few at once for
+# seconds): `onecore` lets `make test` run them beside the in-process tests on the two xdist workers rather than alone
+# in the second part (Makefile: PART1 / PART2)
 ONECORE_TESTS = {
-    "test_install.py": ("",),                  # a venv, pip and a wheel build; the core verbs in it
+    "test_install.py": ("",),                  # a venv, pip and a wheel build; the core verbs in it (~20 s)
     "test_trace.py": ("test_plan_trace_any_architecture",),  # four `hfscale plan` runs, fake tensors, one after another
     "test_prune.py": ("test_params_target_saves",),  # prune in this process, a reload in one subprocess
 }

@@ -465,7 +465,7 @@ def test_embedding_adapter_is_one_tied_pair_that_trains_saves_reloads_and_merges
     from safetensors import safe_open
 
     from hfscale.models.loss import lm_loss
-    from hfscale.scale.adapters import merge_into_base
+    from hfscale.scale.adapters import merge_into_base, merge_live
 
     base = tiny()
     before = {n: p.detach().clone() for n, p in base.named_parameters()}
@@ -484,7 +484,8 @@ def test_embedding_adapter_is_one_tied_pair_that_trains_saves_reloads_and_merges
             assert emb.lora_embedding_A["default"].grad[:, 100:].abs().sum(0).gt(0).all()
         opt.step()
         opt.zero_grad()
-    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters() if n in before)  # the frozen base
+    frozen = {n.replace(".base_layer", ""): p for n, p in base.named_parameters() if not p.requires_grad}
+    assert set(frozen) == set(before) and all(torch.equal(p, before[n]) for n, p in frozen.items())  # the base, whole
     ids = torch.randint(3, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
     pm.eval()
     with torch.no_grad():
@@ -512,6 +513,24 @@ def test_embedding_adapter_is_one_tied_pair_that_trains_saves_reloads_and_merges
     # merged once into the one matrix (merging the lm_head's delta too would add it twice: measured 1.36 off)
     assert torch.allclose(merged, live, atol=1e-4, rtol=1e-4)
     assert merged_model.lm_head.weight is merged_model.model.embed_tokens.weight
+    with torch.no_grad():  # the live model merged in place: the same one matrix, once
+        merged_live = merge_live(pm).eval()
+        assert torch.allclose(merged_live(input_ids=ids).logits, live, atol=1e-4, rtol=1e-4)
+    assert merged_live.lm_head.weight is merged_live.model.embed_tokens.weight
+    # an adapter whose lm_head LoRA was trained apart from the embedding's (peft without ensure_weight_tying) cannot
+    # merge as tied: one line, never silently dropped
+    import json
+
+    from safetensors.torch import save_file
+
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["base_model.model.lm_head.lora_B.weight"] += 0.01
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "ensure_weight_tying": False}))
+    with pytest.raises(ConfigError, match="lm_head LoRA is not the embedding's"):
+        merge_into_base(tiny(), tmp_path)
     src = tiny().state_dict()
     moved = {k for k, v in merged_model.state_dict().items() if not torch.equal(v, src[k])}
     assert moved == {f"model.layers.{i}.{g}.{n}.weight" for i in range(4) for g, ns in
@@ -532,6 +551,8 @@ def test_embedding_adapter_refusals():
         with pytest.raises(ConfigError, match=f"adapter embedding cannot run with {needle}"):
             AdapterSpec(kind, rank=2, embedding=True, **extra)
     AdapterSpec("qlora", rank=2, embedding=True)  # the embedding and lm_head stay unquantized: allowed
+    with pytest.raises(ConfigError, match="embedding must be true or false"):
+        AdapterSpec.from_mapping({"kind": "lora", "embedding": "false"})
     spec = AdapterSpec("lora", rank=2, embedding=True)
     assert "embedding" in spec.describe()
     for zero, fsdp, needle in [(3, False, "ZeRO-3 failed here: .*resumed on 1 rank"), (None, True, "FSDP2 failed here")]:

@@ -177,6 +177,6 @@ def adapter_engine_refused(s: Setup) -> Iterator[Finding]:
         return
     section = a["adapter"] if isinstance(a["adapter"], dict) else {}
     refused = engine_refusal(v.kind, zero_stage(s), _fsdp2(s), bool(section.get("trainable_tokens")),
-                             bool(section.get("embedding")))
+                             section.get("embedding") is True)
     if refused is not None:
         yield Finding("adapter-engine-refused", "error", v.where, refused[0], refused[1])

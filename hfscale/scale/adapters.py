@@ -128,12 +128,13 @@ class AdapterSpec:
         if any(t != TEMPLATE_TOKENS and t < 0 for t in self.trainable_tokens):
             raise ConfigError(f"trainable_tokens must be token ids >= 0 or {TEMPLATE_TOKENS!r} (got "
                               f"{list(self.trainable_tokens)})")
+        if not isinstance(self.embedding, bool):
+            raise ConfigError(f"adapter embedding must be true or false (got {self.embedding!r})")
         if self.embedding and (self.trainable_tokens or self.init in ("pissa", "olora") or self.dora):
             what = ("trainable_tokens (both adapt the embedding)" if self.trainable_tokens else
                     "DoRA (the tied matrix would need the embedding's and the lm_head's magnitudes at once)" if self.dora
                     else f"init {self.init}")
-            raise ConfigError(f"adapter embedding cannot run with {what} here; drop one of them (embedding moves every "
-                              "token's row in low rank, trainable_tokens a few rows in full)")
+            raise ConfigError(f"adapter embedding cannot run with {what} here; drop one of them")
 
     # --- what other modules read ---
     @property
@@ -336,7 +337,11 @@ def tie_head_adapter_(model) -> bool:
     factors' storage (views), so an optimizer steps that storage twice with two Adam states, and an engine that
     flattens parameters (DeepSpeed) unties them. Here the lm_head's lora_A / lora_B become the embedding's
     lora_embedding_B / lora_embedding_A themselves (transposed on read): model.parameters() holds each once. Returns
-    whether the model had a tied lm_head adapter."""
+    whether the model had a tied lm_head adapter. Refuses (one line) an lm_head adapter that is not the embedding's
+    transposed (one trained apart, e.g. by peft without ensure_weight_tying): merging it as tied would drop it.
+    The pair's start: peft inits the embedding's (A zero, B normal), then the lm_head's reset writes its own init into
+    the shared storage (B = the head's lora_A: Kaiming-uniform; A = the head's lora_B: zero), so the pair starts as the
+    lm_head's LoRA would; LoRA+ (adapter_param_groups) scales the linears' lora_B only, the pair keeps the base lr."""
     import torch
 
     class Transposed(torch.nn.Module):
@@ -357,6 +362,10 @@ def tie_head_adapter_(model) -> bool:
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None or "default" not in getattr(head, "lora_A", {}) or "default" not in getattr(emb, "lora_embedding_A", {}):
         return False
+    a, b = emb.lora_embedding_A["default"], emb.lora_embedding_B["default"]
+    if not (torch.equal(head.lora_A["default"].weight, b.t()) and torch.equal(head.lora_B["default"].weight, a.t())):
+        raise ConfigError("this adapter's lm_head LoRA is not the embedding's (trained apart from it), so it cannot be "
+                          "merged into a tied lm_head; load the base untied (tie_word_embeddings=False) to merge both")
     head.lora_A["default"] = Transposed(emb.lora_embedding_B["default"])
     head.lora_B["default"] = Transposed(emb.lora_embedding_A["default"])
     return True
@@ -631,16 +640,20 @@ def merge_into_base(base, adapter_dir):
                           "(hfscale.models.build_model), never the 4-bit one")
     import warnings
 
-    with warnings.catch_warnings():  # the tie's merge is handled here (below)
+    with warnings.catch_warnings():  # the tie's merge is handled in merge_live
         warnings.filterwarnings("ignore", message=".*tied_target_modules.*")
         model = PeftModel.from_pretrained(base, str(adapter_dir))
-    head = model.get_output_embeddings()
-    if tie_head_adapter_(model):  # one matrix: the embedding's delta merged into it is the lm_head's too, once
-        model.base_model.model.set_output_embeddings(head.get_base_layer())
-        model.base_model.model.tie_weights()
-    return model.merge_and_unload()
+    return merge_live(model)
 
 
 def merge_live(model):
-    """Fold the live adapters into the (unquantized) base they sit on and drop the peft wrapper."""
-    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    """Fold the live adapters into the (unquantized) base they sit on and drop the peft wrapper. A tied lm_head's
+    adapter (the embedding's pair: tie_head_adapter_) is dropped first: the embedding's delta merged into the one
+    matrix is the lm_head's too, once (merging both added it twice: 1.36 off on a tiny Gemma 3's logits)."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    head = model.get_output_embeddings()
+    if tie_head_adapter_(model):
+        model.base_model.model.set_output_embeddings(head.get_base_layer())
+        model.base_model.model.tie_weights()
+    return model.merge_and_unload()

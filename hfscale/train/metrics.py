@@ -26,6 +26,11 @@ class MetricsLog:
         self.enabled = enabled
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_file() and self.path.stat().st_size:  # a line cut by a kill: the next record starts afresh
+                with open(self.path, "rb+") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
 
     def write(self, record: dict) -> None:
         if not self.enabled:
