@@ -437,6 +437,19 @@ def eval_section(e: dict) -> list:
         lines.append(f"| {NAMES[kind]} | {r['lr']:g}{'' if r.get('complete', True) else ' (grid not finished)'} | "
                      f"{r['trainable']:,} | {r['start']:.4f} | {r['end']:.4f} | "
                      f"{r['improvement']:.4f} | {100 * r['of_full']:.1f}% | {r['seconds']} |")
+    edge = [f"{NAMES[k]} ({r['lr']:g})" for k, r in e["rows"].items()
+            if len(e["grid"][k]) > len(LR_GRID[k]) and r["lr"] in (min(e["grid"][k]), max(e["grid"][k]))]
+    if edge:
+        lines += ["", f"Selected at an end of its grid after the one extension there: {', '.join(edge)}; no point "
+                  "beyond it was run."]
+    full = [r for r in e["runs"].values() if r["kind"] == "none"]
+    best = max(full, key=lambda r: r["start"]["heldout"] - r["end"]["heldout"]) if full else None
+    if best and "none" in e["rows"] and best["lr"] != e["rows"]["none"]["lr"]:  # selection and held-out disagree
+        gain = best["start"]["heldout"] - best["end"]["heldout"]
+        lines += ["", f"Full fine-tuning's selected lr is not its best on the held-out data: {best['lr']:g} improves "
+                  f"it {gain:.4f} (against {e['rows']['none']['improvement']:.4f}); against that run "
+                  + "; ".join(f"{NAMES[k]} {100 * r['improvement'] / gain:.1f}%" for k, r in e["rows"].items()
+                              if k != "none") + " (held-out choosing nothing: shown, not used)."]
     split = {k: r for k, r in e["rows"].items() if "by_kind" in r}
     if split:
         tpl = e.get("template_tokens", [])
@@ -507,13 +520,14 @@ def report(results: dict) -> str:
             e = ev["rows"]
             variants = [k for k in EVAL_KINDS[len(KINDS):] if k in e]
             yes = [NAMES[k] for k in variants if e[k]["of_full"] >= 0.8]
-            res.append(f"{protocol(ev)}: plain LoRA {100 * e['lora']['of_full']:.1f}%"
-                       f"{'' if e['lora']['complete'] else ' (its grid not finished)'} ("
-                       + "; ".join(f"{NAMES[k]} {100 * e[k]['of_full']:.1f}%" for k in variants) + ")")
+            pct = lambda k: f"{100 * e[k]['of_full']:.1f}%" + ("" if e[k]["complete"] else " (grid not finished)")  # noqa: E731
+            res.append(f"{protocol(ev)}: plain LoRA {pct('lora')} ("
+                       + "; ".join(f"{NAMES[k]} {pct(k)}" for k in variants) + ")")
             met.append(f"{protocol(ev)}: " + ("yes" if e["lora"]["of_full"] >= 0.8 else "plain LoRA: no" + (
                 f"; {', '.join(yes)}: yes" if yes else "")))
         lines.append("| LoRA >= 80% of full fine-tuning's eval-loss improvement | each kind's lr selected on a split of "
-                     "the training conversations; " + "; ".join(res) + " | " + ". ".join(met) + " |")
+                     "the training conversations; " + "; ".join(res) + " | " + ". ".join(m[0].upper() + m[1:] for m in met)
+                     + " |")
     lines.append("")
     if mem:
         lines += ["## Per-rank peak and tokens/s under each engine", "",
@@ -618,12 +632,6 @@ def main(argv=None) -> int:
         nf4(work, results)
     if "eval" in parts:
         evaluate(work, results, args.eval_steps, LR_GRID, tuple(args.eval_kinds.split(",")))
-        runs = [r for r in results[eval_key(args.eval_steps)]["runs"].values() if "at" in r]
-        if runs:  # the sweep spans the host's load as it came and went: its first and last run, the load's range
-            loads = [r["load"] for r in runs]
-            results["hosts"][eval_key(args.eval_steps)] = (
-                f"{host()}: {', '.join(dict.fromkeys(NAMES[r['kind']] for r in runs))} {runs[0]['at']} - "
-                f"{runs[-1]['at']}, load {min(loads):.1f}-{max(loads):.1f} (per run in the sweep table)")
     if "memory" in parts:
         results["hosts"]["memory"] = "per row, under the engine table"
         memory(work, results, set(args.only.split(",")) if args.only else None)
@@ -632,6 +640,12 @@ def main(argv=None) -> int:
     for key in eval_keys(results):
         if "report" in parts and results[key].get("runs"):  # a sweep stopped early: select from what ran
             select_rows(results[key])
+        runs = [r for r in results[key].get("runs", {}).values() if "at" in r]
+        if runs and ("eval" in parts or "report" in parts):  # a sweep spans the load as it came and went
+            loads = [r["load"] for r in runs]
+            results["hosts"][key] = (f"{host()}: {', '.join(dict.fromkeys(NAMES[r['kind']] for r in runs))}, runs "
+                                     f"ended {runs[0]['at']} - {runs[-1]['at']}, load {min(loads):.1f}-"
+                                     f"{max(loads):.1f} (per run in the sweep table)")
     save(results)
     (OUT / "adapters.md").write_text(report(results))
     print(f"wrote {OUT / 'adapters.md'}")
