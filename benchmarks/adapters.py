@@ -352,6 +352,7 @@ def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=EVAL_KINDS
             else:
                 break
         e["grid"][kind] = lrs
+        save(results)  # the kind's grid as run (its extensions) before the next kind's first run
     select_rows(e)
     save(results)
 
