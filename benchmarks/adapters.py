@@ -3,6 +3,7 @@
     nice -n 19 .venv/bin/python benchmarks/adapters.py            # -> benchmarks/results/adapters.{md,json}
     nice -n 19 .venv/bin/python benchmarks/adapters.py --part eval # one part only (memory | repredict | nf4 | eval)
     nice -n 19 .venv/bin/python benchmarks/adapters.py --part memory --only ZeRO-3/none,FSDP2/lora  # rerun rows
+    nice -n 19 .venv/bin/python benchmarks/adapters.py --part eval --eval-steps 285 --eval-kinds none,lora  # one epoch
 
 1. memory: per-rank steady peak (torch's MemTracker inside each rank: `hfscale profile --adapter KIND`, the library
    path hfscale.scale.adapters.apply_adapter + hfscale.proofs.profile) and tokens/s of each adapter kind under each
@@ -24,6 +25,8 @@
    of the predicted token (the tokens the chat template writes vs the contents, hfscale.data.formats.template_mask):
    most of full fine-tuning's improvement is learning the template, which LoRA on the linears learns less of; the
    kind "LoRA + template tokens" trains those embedding rows too (AdapterSpec trainable_tokens "template").
+   The protocol as first run is 60 steps (results["eval"]); `--eval-steps 285` (one epoch's worth of draws of the
+   training blocks) is kept beside it (results["eval_285"]) and reported after it.
 """
 
 from __future__ import annotations
@@ -242,10 +245,24 @@ def chat_splits(tok, seq_len: int) -> dict:
     return out
 
 
+EVAL_STEPS = 60  # the first protocol (results["eval"]); another step count is kept beside it (eval_key)
+
+
+def eval_key(steps: int) -> str:
+    """Where the eval part of `steps` steps lives in the results: "eval" for the 60-step protocol as first run,
+    "eval_285" (one epoch's worth of draws) etc. beside it."""
+    return "eval" if steps == EVAL_STEPS else f"eval_{steps}"
+
+
+def eval_keys(results: dict) -> list:
+    """The eval protocols in the results, the 60-step one first, then by step count."""
+    return sorted((k for k in results if k == "eval" or k.startswith("eval_")), key=lambda k: results[k]["steps"])
+
+
 def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=EVAL_KINDS) -> None:
     """Every (kind, lr) of `grid` trained the same steps on the same data order; per kind the lr with the lowest
-    selection-split loss is selected and its held-out loss reported (all runs are kept in results["eval"]["runs"]).
-    Runs already in the results with the same steps are not rerun."""
+    selection-split loss is selected and its held-out loss reported (all runs are kept in
+    results[eval_key(steps)]["runs"]). Runs already in the results with the same steps are not rerun."""
     import torch
 
     from hfscale.data.formats import template_token_ids
@@ -282,14 +299,15 @@ def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=EVAL_KINDS
                 out[f"{split}_tokens"] = {k: v[1] for k, v in sums.items()}
         return out
 
-    old = results.get("eval", {})
+    key = eval_key(steps)
+    old = results.get(key, {})
     e = {"steps": steps, "batch": batch, "seq_len": seq, "train_blocks": len(train), "select_blocks": len(data["select"]),
          "heldout_blocks": len(data["heldout"]), "select_every": SELECT_EVERY, "template_tokens": list(template_ids),
          "grid": {k: list(v) for k, v in grid.items()}, "rows": {},
          "runs": old.get("runs", {}) if old.get("steps") == steps and "select_blocks" in old else {}}
     if e["runs"]:  # kinds not swept now keep the grid they ran (with its extension)
         e["grid"].update({k: v for k, v in old.get("grid", {}).items() if k not in kinds})
-    results["eval"] = e
+    results[key] = e
 
     def run(kind: str, lr: float, start: dict | None) -> dict:
         spec = eval_spec(kind, template_ids)
@@ -312,23 +330,29 @@ def evaluate(work: Path, results: dict, steps: int, grid: dict, kinds=EVAL_KINDS
             opt.zero_grad(set_to_none=True)
         secs = time.time() - t0
         return {"kind": kind, "lr": lr, "start": start, "end": losses(model), "seconds": round(secs, 1),
-                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "load": os.getloadavg()[0]}
+                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "load": os.getloadavg()[0],
+                "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
     for kind in kinds:
         lrs = list(grid[kind])
-        for extended in (False, True):
+        up = down = False  # each edge of the grid extended once at most
+        while True:
             for lr in lrs:
-                key = f"{kind}@{lr:g}"
-                if key not in e["runs"]:
+                run_key = f"{kind}@{lr:g}"
+                if run_key not in e["runs"]:
                     start = next((r["start"] for r in e["runs"].values() if r["kind"] == kind), None)
-                    e["runs"][key] = run(kind, lr, start)
-                    print("eval", key, e["runs"][key], flush=True)
+                    e["runs"][run_key] = run(kind, lr, start)
+                    print("eval", run_key, e["runs"][run_key], flush=True)
                     save(results)
-            best = min((e["runs"][f"{kind}@{lr:g}"] for lr in lrs), key=lambda r: r["end"]["select"])
-            if extended or best["lr"] != max(lrs):
+            best = min((e["runs"][f"{kind}@{lr:g}"] for lr in lrs), key=lambda r: r["end"]["select"])["lr"]
+            if best == max(lrs) and not up:  # the best was the grid's largest: one more point 3x above it
+                lrs, up = lrs + [3 * max(lrs)], True
+            elif best == min(lrs) and not down:  # the smallest: one 3x below (one significant digit: 1e-4 -> 3e-5)
+                lrs, down = [float(f"{min(lrs) / 3:.1g}")] + lrs, True
+            else:
                 break
-            lrs.append(3 * max(lrs))  # the best was the grid's largest: one more point above it
         e["grid"][kind] = lrs
+        save(results)  # the kind's grid as run (its extensions) before the next kind's first run
     select_rows(e)
     save(results)
 
@@ -364,6 +388,106 @@ def save(results: dict) -> None:
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
+def epoch_steps(e: dict) -> int:
+    """The steps of one epoch's worth of draws: the training blocks over the batch, rounded up (2,277 / 8 -> 285)."""
+    return -(-e["train_blocks"] // e["batch"])
+
+
+def protocol(e: dict) -> str:
+    return f"one epoch ({e['steps']} steps)" if e["steps"] == epoch_steps(e) else f"{e['steps']} steps"
+
+
+def eval_section(e: dict) -> list:
+    """The eval part's tables for one protocol (results["eval"] or results[eval_key(steps)])."""
+    epoch = e["steps"] == epoch_steps(e)
+    grid = {k: v for k, v in e["grid"].items() if k in e["rows"]}  # the kinds this protocol ran
+    if epoch:
+        note = (f"This protocol was added after the {EVAL_STEPS}-step result above was known (plain LoRA below 80% "
+                f"there): {EVAL_STEPS} steps are {100 * EVAL_STEPS * e['batch'] / e['train_blocks']:.0f}% of one "
+                "pass over the training blocks, an arbitrary point, and a supervised fine-tune is counted in epochs. "
+                f"{e['steps']} steps x {e['batch']} = {e['steps'] * e['batch']:,} draws, uniform with replacement as "
+                f"in the {EVAL_STEPS}-step protocol (the sampling is unchanged, only the steps): one epoch's worth of "
+                "samples, not every block once (about 1 - 1/e = 63% of the blocks are drawn at least once). Fewer "
+                "kinds than above. Seconds: the training steps under the load beside each run in the sweep table, on "
+                "a host shared with other jobs, not a speed comparison.")
+    else:
+        note = ("Before the sweep this table held one lr per kind (full 3e-4, the others 3e-3, "
+                "trained on every training conversation): LoRA 79.2% of full; full's 3e-4 is its grid's second best "
+                "here (1.4154 against 1.6581 at 1e-3), so with each kind's lr chosen alike the gap is wider. Seconds: "
+                "the training steps under the load beside each run in the sweep table (the other jobs came and "
+                "went: 7 to 390 s for the same work), not a speed comparison.")
+    lines = [f"## Eval loss on held-out chat data after {protocol(e) if epoch else 'the same steps'}", "",
+             f"The built-in tiny Gemma 3 pre-trained on the built-in corpus (hfscale/models/data/trained) fine-tuned "
+             f"{e['steps']} steps of {e['batch']} x {e['seq_len']} tokens on the built-in chat set's training "
+             f"conversations less every {e['select_every']}th ({e['train_blocks']} blocks), same data order for "
+             "every kind and lr, AdamW without decay, constant lr, rank "
+             f"{RANK} (alpha 2r) on q/k/v/o/gate/up/down. The lr: a grid per kind, every kind, full included ("
+             + "; ".join(f"{NAMES[k]} {', '.join(f'{x:g}' for x in v)}" for k, v in grid.items())
+             + "; a point 3x above the largest is added when the largest won"
+             + (", one 3x below the smallest when the smallest won: a rule added with this protocol, lr optima can "
+                "move lower with more steps; no kind of the 60-step protocol selected its smallest point"
+                if epoch else "") + "), the one with the lowest loss on "
+             "the selection split (every "
+             f"{e['select_every']}th training conversation, {e['select_blocks']} blocks, never trained on) "
+             f"selected; reported: its loss on all {e['heldout_blocks']} blocks of the held-out validation "
+             "conversations, which chose nothing. QLoRA starts from its own NF4 base (its start loss is the "
+             "quantized model's). " + note, "",
+             "| kind | selected lr | trainable | start loss | end loss | improvement | of full's | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for kind, r in e["rows"].items():
+        lines.append(f"| {NAMES[kind]} | {r['lr']:g}{'' if r.get('complete', True) else ' (grid not finished)'} | "
+                     f"{r['trainable']:,} | {r['start']:.4f} | {r['end']:.4f} | "
+                     f"{r['improvement']:.4f} | {100 * r['of_full']:.1f}% | {r['seconds']} |")
+    edge = [f"{NAMES[k]} ({r['lr']:g})" for k, r in e["rows"].items()
+            if len(e["grid"][k]) > len(LR_GRID[k]) and r["lr"] in (min(e["grid"][k]), max(e["grid"][k]))]
+    if edge:
+        lines += ["", f"Selected at an end of its grid after the one extension there: {', '.join(edge)}; no point "
+                  "beyond it was run."]
+    full = [r for r in e["runs"].values() if r["kind"] == "none"]
+    best = max(full, key=lambda r: r["start"]["heldout"] - r["end"]["heldout"]) if full else None
+    if best and "none" in e["rows"] and best["lr"] != e["rows"]["none"]["lr"]:  # selection and held-out disagree
+        gain = best["start"]["heldout"] - best["end"]["heldout"]
+        lines += ["", f"Full fine-tuning's selected lr is not its best on the held-out data: {best['lr']:g} improves "
+                  f"it {gain:.4f} (against {e['rows']['none']['improvement']:.4f}); against that run "
+                  + "; ".join(f"{NAMES[k]} {100 * r['improvement'] / gain:.1f}%" for k, r in e["rows"].items()
+                              if k != "none") + " (held-out choosing nothing: shown, not used)."]
+    split = {k: r for k, r in e["rows"].items() if "by_kind" in r}
+    if split:
+        tpl = e.get("template_tokens", [])
+        lines += ["", "Where the improvement comes from: the held-out loss per kind of predicted token, the tokens the "
+                  f"chat template writes ({len(tpl)} ids: the pieces of `<start_of_turn>`, `<end_of_turn>`, the role "
+                  "names, newline, BOS; hfscale.data.formats.template_mask, the packing's BOS / EOS counted with them) "
+                  "and the contents. The built-in tokenizer has no ids for the turn markers: each is 7 ordinary "
+                  "pieces, and every one of those ids occurs in the pre-training corpus (`turn` twice, `start` 48 "
+                  "times), so no embedding row is untrained, but the corpus never shows the template's sequences. "
+                  "Share: the template tokens' part of the token-weighted improvement.", "",
+                  "| kind | template tokens: start / end | content: start / end | template share of the "
+                  "improvement |", "|---|---|---|---|"]
+        for kind, r in split.items():
+            (t0, t1), (c0, c1), n = r["by_kind"]["template"], r["by_kind"]["content"], r["tokens"]
+            dt, dc = n["template"] * (t0 - t1), n["content"] * (c0 - c1)
+            lines.append(f"| {NAMES[kind]} | {t0:.4f} / {t1:.4f} | {c0:.4f} / {c1:.4f} | "
+                         f"{100 * dt / (dt + dc):.0f}% |")
+        if "none" in split and "lora" in split:  # full's lead over plain LoRA, token-weighted, by kind
+            gap = {k: split["none"]["tokens"][k] * (split["lora"]["by_kind"][k][1] - split["none"]["by_kind"][k][1])
+                   for k in ("template", "content")}
+            lines += ["", f"Of full fine-tuning's lead over plain LoRA, {100 * gap['template'] / sum(gap.values()):.0f}% "
+                      "is on the template's tokens (whose embedding rows, tied to the lm_head, LoRA on the linears "
+                      "leaves as pre-training made them) and the rest on the contents."]
+    lines += ["", "Every run of the sweep (selection-split loss chose the lr; held-out shown for all, used for none; "
+              "seconds on a loaded 2-core host, 1-min load average beside each):", "",
+              "| kind | lr | select: start / end | held-out: start / end | held-out improvement | selected | "
+              "seconds (load) |", "|---|---|---|---|---|---|---|"]
+    for r in e["runs"].values():
+        chosen = e["rows"].get(r["kind"], {}).get("lr") == r["lr"]
+        lines.append(f"| {NAMES[r['kind']]} | {r['lr']:g} | {r['start']['select']:.4f} / {r['end']['select']:.4f} | "
+                     f"{r['start']['heldout']:.4f} / {r['end']['heldout']:.4f} | "
+                     f"{r['start']['heldout'] - r['end']['heldout']:.4f} | {'yes' if chosen else ''} | "
+                     f"{r['seconds']} ({r['load']:.1f}) |")
+    lines.append("")
+    return lines
+
+
 def report(results: dict) -> str:
     gib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     lines = ["# Adapters: full fine-tuning, LoRA, DoRA, QLoRA (issue 37)", "",
@@ -390,15 +514,21 @@ def report(results: dict) -> str:
     if n:
         lines.append(f"| QLoRA's 4-bit base within 5% of its analytic NF4 size | {n['error_pct']:+.4f}% | "
                      f"{'yes' if abs(n['error_pct']) <= 5 else 'no'} |")
-    e = results.get("eval", {}).get("rows", {})
-    if "lora" in e and "of_full" in e["lora"]:
-        variants = [k for k in EVAL_KINDS[len(KINDS):] if k in e]
-        met = [NAMES[k] for k in variants if e[k]["of_full"] >= 0.8]
-        lines.append(f"| LoRA >= 80% of full fine-tuning's eval-loss improvement | plain LoRA {100 * e['lora']['of_full']:.1f}% "
-                     "(each kind's lr selected on a split of the training conversations; "
-                     + "; ".join(f"{NAMES[k]} {100 * e[k]['of_full']:.1f}%" for k in variants) + ") | "
-                     + ("yes" if e["lora"]["of_full"] >= 0.8 else "plain LoRA: no" + (
-                         f"; {', '.join(met)}: yes" if met else "")) + " |")
+    done_eval = [results[k] for k in eval_keys(results) if "of_full" in results[k].get("rows", {}).get("lora", {})]
+    if done_eval:  # one line per protocol, the 60-step one first
+        res, met = [], []
+        for ev in done_eval:
+            e = ev["rows"]
+            variants = [k for k in EVAL_KINDS[len(KINDS):] if k in e]
+            yes = [NAMES[k] for k in variants if e[k]["of_full"] >= 0.8]
+            pct = lambda k: f"{100 * e[k]['of_full']:.1f}%" + ("" if e[k]["complete"] else " (grid not finished)")  # noqa: E731
+            res.append(f"{protocol(ev)}: plain LoRA {pct('lora')} ("
+                       + "; ".join(f"{NAMES[k]} {pct(k)}" for k in variants) + ")")
+            met.append(f"{protocol(ev)}: " + ("yes" if e["lora"]["of_full"] >= 0.8 else "plain LoRA: no" + (
+                f"; {', '.join(yes)}: yes" if yes else "")))
+        lines.append("| LoRA >= 80% of full fine-tuning's eval-loss improvement | each kind's lr selected on a split of "
+                     "the training conversations; " + "; ".join(res) + " | " + ". ".join(m[0].upper() + m[1:] for m in met)
+                     + " |")
     lines.append("")
     if mem:
         lines += ["## Per-rank peak and tokens/s under each engine", "",
@@ -475,65 +605,9 @@ def report(results: dict) -> str:
                   f"| plan (memory.nf4_base_bytes) | {n['planned']:,} | {n['error_pct']:+.4f}% |",
                   f"| a flat 0.5 byte per weight | {n['flat_half_byte']:,} | {n['flat_error_pct']:+.2f}% |",
                   f"| the rest in bf16: measured / planned | {n['other_measured']:,} / {n['other_planned']:,} | |", ""]
-    e = results.get("eval")
-    if e and "base_loss" in e and "runs" in e:
-        lines += ["## Eval loss on held-out chat data after the same steps", "",
-                  f"The built-in tiny Gemma 3 pre-trained on the built-in corpus (hfscale/models/data/trained) fine-tuned "
-                  f"{e['steps']} steps of {e['batch']} x {e['seq_len']} tokens on the built-in chat set's training "
-                  f"conversations less every {e['select_every']}th ({e['train_blocks']} blocks), same data order for "
-                  "every kind and lr, AdamW without decay, constant lr, rank "
-                  f"{RANK} (alpha 2r) on q/k/v/o/gate/up/down. The lr: a grid per kind, every kind, full included ("
-                  + "; ".join(f"{NAMES[k]} {', '.join(f'{x:g}' for x in v)}" for k, v in e["grid"].items())
-                  + "; a point 3x above the largest is added when the largest won), the one with the lowest loss on "
-                  "the selection split (every "
-                  f"{e['select_every']}th training conversation, {e['select_blocks']} blocks, never trained on) "
-                  f"selected; reported: its loss on all {e['heldout_blocks']} blocks of the held-out validation "
-                  "conversations, which chose nothing. QLoRA starts from its own NF4 base (its start loss is the "
-                  "quantized model's). Before the sweep this table held one lr per kind (full 3e-4, the others 3e-3, "
-                  "trained on every training conversation): LoRA 79.2% of full; full's 3e-4 is its grid's second best "
-                  "here (1.4154 against 1.6581 at 1e-3), so with each kind's lr chosen alike the gap is wider. Seconds: "
-                  "the training steps under the load beside each run in the sweep table (the other jobs came and "
-                  "went: 7 to 390 s for the same work), not a speed comparison.", "",
-                  "| kind | selected lr | trainable | start loss | end loss | improvement | of full's | seconds |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for kind, r in e["rows"].items():
-            lines.append(f"| {NAMES[kind]} | {r['lr']:g}{'' if r.get('complete', True) else ' (grid not finished)'} | "
-                         f"{r['trainable']:,} | {r['start']:.4f} | {r['end']:.4f} | "
-                         f"{r['improvement']:.4f} | {100 * r['of_full']:.1f}% | {r['seconds']} |")
-        split = {k: r for k, r in e["rows"].items() if "by_kind" in r}
-        if split:
-            tpl = e.get("template_tokens", [])
-            lines += ["", "Where the improvement comes from: the held-out loss per kind of predicted token, the tokens the "
-                      f"chat template writes ({len(tpl)} ids: the pieces of `<start_of_turn>`, `<end_of_turn>`, the role "
-                      "names, newline, BOS; hfscale.data.formats.template_mask, the packing's BOS / EOS counted with them) "
-                      "and the contents. The built-in tokenizer has no ids for the turn markers: each is 7 ordinary "
-                      "pieces, and every one of those ids occurs in the pre-training corpus (`turn` twice, `start` 48 "
-                      "times), so no embedding row is untrained, but the corpus never shows the template's sequences. "
-                      "Share: the template tokens' part of the token-weighted improvement.", "",
-                      "| kind | template tokens: start / end | content: start / end | template share of the "
-                      "improvement |", "|---|---|---|---|"]
-            for kind, r in split.items():
-                (t0, t1), (c0, c1), n = r["by_kind"]["template"], r["by_kind"]["content"], r["tokens"]
-                dt, dc = n["template"] * (t0 - t1), n["content"] * (c0 - c1)
-                lines.append(f"| {NAMES[kind]} | {t0:.4f} / {t1:.4f} | {c0:.4f} / {c1:.4f} | "
-                             f"{100 * dt / (dt + dc):.0f}% |")
-            if "none" in split and "lora" in split:  # full's lead over plain LoRA, token-weighted, by kind
-                gap = {k: split["none"]["tokens"][k] * (split["lora"]["by_kind"][k][1] - split["none"]["by_kind"][k][1])
-                       for k in ("template", "content")}
-                lines += ["", f"Of full fine-tuning's lead over plain LoRA, {100 * gap['template'] / sum(gap.values()):.0f}% "
-                          "is on the template's tokens (whose embedding rows, tied to the lm_head, LoRA on the linears "
-                          "leaves as pre-training made them) and the rest on the contents."]
-        lines += ["", "Every run of the sweep (selection-split loss chose the lr; held-out shown for all, used for none; "
-                  "seconds on a loaded 2-core host, 1-min load average beside each):", "",
-                  "| kind | lr | select: start / end | held-out: start / end | held-out improvement | selected | "
-                  "seconds (load) |", "|---|---|---|---|---|---|---|"]
-        for r in e["runs"].values():
-            chosen = e["rows"].get(r["kind"], {}).get("lr") == r["lr"]
-            lines.append(f"| {NAMES[r['kind']]} | {r['lr']:g} | {r['start']['select']:.4f} / {r['end']['select']:.4f} | "
-                         f"{r['start']['heldout']:.4f} / {r['end']['heldout']:.4f} | "
-                         f"{r['start']['heldout'] - r['end']['heldout']:.4f} | {'yes' if chosen else ''} | "
-                         f"{r['seconds']} ({r['load']:.1f}) |")
-        lines.append("")
+    for key in eval_keys(results):
+        if "base_loss" in results[key] and "runs" in results[key]:
+            lines += eval_section(results[key])
     return "\n".join(lines) + "\n"
 
 
@@ -541,7 +615,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=["memory", "repredict", "nf4", "eval", "report"], action="append")
     ap.add_argument("--only", help="memory rows to (re)run, e.g. DDP/lora,ZeRO-3/none")
-    ap.add_argument("--eval-steps", type=int, default=60)
+    ap.add_argument("--eval-steps", type=int, default=EVAL_STEPS,
+                    help="steps of each eval run; other than 60 (e.g. 285, one epoch) kept beside it: results['eval_285']")
     ap.add_argument("--eval-kinds", default=",".join(EVAL_KINDS), help="kinds the eval part sweeps, e.g. qlora")
     ap.add_argument("--work", default=None)
     ap.add_argument("--results", default=None, help="JSON to read and update (default benchmarks/results/adapters.json)")
@@ -552,7 +627,7 @@ def main(argv=None) -> int:
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results["host"], results["date"] = host(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for part in set(parts) - {"report"}:  # rows of one table can come from different hosts: each part says where it ran
-        results.setdefault("hosts", {})[part] = ran_here()
+        results.setdefault("hosts", {})[eval_key(args.eval_steps) if part == "eval" else part] = ran_here()
     work = Path(args.work or tempfile.mkdtemp(prefix="hfscale-adapters-"))
     if "nf4" in parts:
         nf4(work, results)
@@ -563,8 +638,15 @@ def main(argv=None) -> int:
         memory(work, results, set(args.only.split(",")) if args.only else None)
     if "repredict" in parts:
         repredict(work, results)
-    if "report" in parts and results.get("eval", {}).get("runs"):  # a sweep stopped early: select from what ran
-        select_rows(results["eval"])
+    for key in eval_keys(results):
+        if "report" in parts and results[key].get("runs"):  # a sweep stopped early: select from what ran
+            select_rows(results[key])
+        runs = [r for r in results[key].get("runs", {}).values() if "at" in r]
+        if runs and ("eval" in parts or "report" in parts):  # a sweep spans the load as it came and went
+            loads = [r["load"] for r in runs]
+            results["hosts"][key] = (f"{host()}: {', '.join(dict.fromkeys(NAMES[r['kind']] for r in runs))}, runs "
+                                     f"ended {runs[0]['at']} - {runs[-1]['at']}, load {min(loads):.1f}-"
+                                     f"{max(loads):.1f} (per run in the sweep table)")
     save(results)
     (OUT / "adapters.md").write_text(report(results))
     print(f"wrote {OUT / 'adapters.md'}")
