@@ -66,6 +66,13 @@ def run_concurrently(jobs, timeout=600, env=None, at_once=2):
     return out
 
 
+def selected_params(request, test_name: str) -> list:
+    """The callspecs of this session's selected items of the parametrized test `test_name`: what a module fixture that
+    runs every selected case's slow part at once (side by side) must run, and no more."""
+    return [item.callspec for item in request.session.items
+            if item.originalname == test_name and getattr(item, "callspec", None)]
+
+
 _PORTS: set = set()
 
 

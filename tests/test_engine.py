@@ -110,10 +110,9 @@ def reference(request, tmp_path_factory):
     before the module ends."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from conftest import fresh_port
+    from conftest import fresh_port, selected_params
 
-    needed = sorted({_family(item.callspec.params["name"]) for item in request.session.items
-                     if item.originalname == "test_shipped_config_distributes_for_real"})
+    needed = sorted({_family(c.params["name"]) for c in selected_params(request, "test_shipped_config_distributes_for_real")})
     pool, runs = ThreadPoolExecutor(3), {}
 
     def get(name: str):

@@ -35,11 +35,10 @@ IDS = [r["arch"] + ("-packed" if r.get("packing") else "-trained" if "trained" i
 def row_runs(request):
     """tests/scripts/trace_row.py of every row this session selected, each in a fresh process (a real step's
     count depends on what the process ran before), two at a time (conftest.run_concurrently); id -> CompletedProcess."""
-    from conftest import run_concurrently
+    from conftest import run_concurrently, selected_params
 
-    wanted = [i for i in IDS if any(getattr(item, "callspec", None) and item.callspec.id == i
-                                    and item.originalname == "test_fake_trace_equals_real_steps"
-                                    for item in request.session.items)]
+    chosen = {c.id for c in selected_params(request, "test_fake_trace_equals_real_steps")}
+    wanted = [i for i in IDS if i in chosen]
     rows = {i: r for i, (r, _) in zip(IDS, ROWS)}
     runs = run_concurrently([([sys.executable, ROOT / "tests" / "scripts" / "trace_row.py", json.dumps(rows[i])], None)
                              for i in wanted], timeout=600 * len(wanted))  # 600 s a row, as each had alone

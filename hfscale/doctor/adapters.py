@@ -167,8 +167,8 @@ def qlora_fsdp2_storage(s: Setup) -> Iterator[Finding]:
 @check
 def adapter_engine_refused(s: Setup) -> Iterator[Finding]:
     """The recipe's own QLoRA (`adapter: qlora` / `adapter: {kind: qlora}`), its trainable_tokens or its embedding
-    adapter, on an engine the recipe refuses it on: the same table (scale.adapters.engine_refusal) the recipe raises from, so doctor says it from the files before a
-    launch. TRL's keys (a user's own Trainer) are left to qlora-zero3-storage / qlora-fsdp2-storage."""
+    adapter, on an engine the recipe refuses it on: the same table (scale.adapters.engine_refusal) the recipe raises
+    from, so doctor says it from the files before a launch. TRL's keys (a user's own Trainer) are left to qlora-zero3-storage / qlora-fsdp2-storage."""
     from ..scale.adapters import engine_refusal
     from .fsdp import _fsdp2
 

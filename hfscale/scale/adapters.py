@@ -29,6 +29,7 @@ conversion rewrites Qwen3-MoE's). Ran on CPU only (docs/adapters.md: which engin
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from dataclasses import dataclass, fields
 
@@ -308,8 +309,6 @@ def apply_adapter(model, spec: AdapterSpec):
         return model
     from peft import get_peft_model
 
-    import warnings
-
     config = lora_config(model, spec)
     want = (set(target_modules(model, spec) + embedding_modules(model, spec)), set(expert_parameters(model, spec)))
     with warnings.catch_warnings():  # "tied_target_modules ... can lead to complications": tie_head_adapter_ below
@@ -483,8 +482,9 @@ def engine_of(zero_stage: int | None, fsdp: bool) -> str:
 def engine_refusal(kind: str, zero_stage: int | None, fsdp: bool, tokens: bool = False,
                    embedding: bool = False) -> tuple[str, str] | None:
     """(what, the way out) where hfscale refuses an adapter of `kind` (with trainable `tokens`, with the `embedding`
-    adapter) on this engine (QLORA_REFUSED, TOKENS_REFUSED, EMBEDDING_REFUSED), else None. LoRA on MoE experts is refused nowhere: peft's target_parameters ran
-    on DDP, ZeRO-2, ZeRO-3 (zero.Init) and FSDP2 (tests/scripts/expert_lora_engines.py, by hand)."""
+    adapter) on this engine (QLORA_REFUSED, TOKENS_REFUSED, EMBEDDING_REFUSED), else None. LoRA on MoE experts is
+    refused nowhere: peft's target_parameters ran on DDP, ZeRO-2, ZeRO-3 (zero.Init) and FSDP2
+    (tests/scripts/expert_lora_engines.py, by hand)."""
     engine = engine_of(zero_stage, fsdp)
     refused = QLORA_REFUSED.get(engine) if KINDS.get(kind, (16,))[0] == 4 else None
     adapter = kind in KINDS and kind != "none"
@@ -638,8 +638,6 @@ def merge_into_base(base, adapter_dir):
     if getattr(getattr(base, "config", None), "quantization_config", None) is not None:
         raise ConfigError("merge the adapter into the unquantized base: reload the base in its own dtype "
                           "(hfscale.models.build_model), never the 4-bit one")
-    import warnings
-
     with warnings.catch_warnings():  # the tie's merge is handled in merge_live
         warnings.filterwarnings("ignore", message=".*tied_target_modules.*")
         model = PeftModel.from_pretrained(base, str(adapter_dir))
